@@ -1,0 +1,1 @@
+"""The `kvmem` command line (shipped as kvmem_llama.cli): parsing and printing only."""

@@ -1,0 +1,73 @@
+"""`kvmem build` and `kvmem engines`."""
+
+from __future__ import annotations
+
+import shlex
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvmem_llama.cli.console import console, human_bytes
+from kvmem_llama.engine import iter_engine_rows, plan_build, run_build
+
+
+@click.command()
+@click.option("--sm", metavar="SPEC",
+              help="CUDA target(s): 75, 80, 86, 89, 90, 120 (=120a), a comma list, or `all` "
+                   "(the six-SM matrix). Default: the CPU engine.")
+@click.option("-j", "--jobs", type=click.IntRange(1, 512), help="Parallel compile jobs (default: all cores).")
+@click.option("--dry-run", is_flag=True, help="Print the exact cmake commands and exit.")
+@click.option("--force", is_flag=True, help="Rebuild even if this engine is already installed.")
+def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool) -> None:
+    """Build an engine (llama-server, llama-cli, llama-bench, rpc-server, libllama).
+
+    Fetches the pinned llama.cpp (verified), applies our patch series, builds with
+    cmake (ccache when installed) and installs into the engine store. Results are
+    cached by pin + patch hash + target + toolchain: a second run is instant.
+    """
+    plan = plan_build(sm, jobs)
+    if dry_run:
+        console.print(f"# engine {plan.key}")
+        console.print(f"# source: {plan.src}  (pin {plan.pin.requirement} + {len(plan.series.names)} patch(es))")
+        console.print(shlex.join(plan.configure_args()), soft_wrap=True)
+        console.print(shlex.join(plan.build_args()), soft_wrap=True)
+        return
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("[dim]{task.fields[step]}"), console=console,
+                  transient=True) as bar:
+        task = bar.add_task(f"building {plan.target.name}", total=None, step="")
+
+        def on_progress(done: int, total: int, step: str) -> None:
+            bar.update(task, completed=done, total=total, step=step[-60:])
+
+        engine, cached = run_build(plan, log=lambda m: bar.console.print(f"[dim]•[/] {m}"),
+                                   progress=on_progress, force=force)
+    if cached:
+        console.print(f"[green]up to date[/] {engine.key} ({engine.path})")
+    else:
+        console.print(f"[green]built[/] {engine.key} in {engine.info['build_seconds']:.0f} s → {engine.path}")
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def engines(as_json: bool) -> None:
+    """List the engines in the store with their build info."""
+    rows = list(iter_engine_rows())
+    if as_json:
+        console.print_json(data=rows)
+        return
+    if not rows:
+        console.print("no engines yet: run [bold]kvmem build[/]")
+        return
+    table = Table(title="engines")
+    for column in ("key", "target", "SMs", "upstream", "series", "built", "build s", "size"):
+        table.add_column(column)
+    for row in rows:
+        mark = "" if row["current"] else " [yellow](old series)[/]"
+        table.add_row(row["key"] + mark, row["target"], row["sms"], row["upstream"], row["series"],
+                      row["built_at"], f"{row['build_seconds'] or 0:.0f}", human_bytes(row["size"]))
+    console.print(table)
+
+
+COMMANDS = [build, engines]

@@ -1,0 +1,28 @@
+"""Shared console helpers for the CLI: one rich console, human sizes, error printing."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+def human_bytes(n: float | int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def fail(message: str, hint: str | None = None, code: int = 1) -> None:
+    err_console.print(f"[bold red]error:[/] {message}")
+    if hint:
+        err_console.print(f"[yellow]hint:[/] {hint}")
+    sys.exit(code)

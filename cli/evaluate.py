@@ -1,0 +1,5 @@
+"""`kvmem` commands of this area (see COMMANDS)."""
+
+import click
+
+COMMANDS: list[click.Command] = []
