@@ -1,6 +1,6 @@
 """kvmem-llama: a patched llama.cpp with KV tiering, its Python binding and the `kvmem` CLI."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="kvmem-llama",
@@ -14,7 +14,7 @@ setup(
     # the kvmem_llama namespace, so site-packages gets no top-level `cli` package.
     packages=[
         "kvmem_llama",
-        "kvmem_llama.binding",
+        *(f"kvmem_llama.{sub}" for sub in find_packages("kvmem_llama")),
         "kvmem_llama.cli",
         "kvmem_llama.vendor",
         "kvmem_llama.patches",
@@ -27,6 +27,7 @@ setup(
     },
     package_data={
         "kvmem_llama": ["data/*"],
+        "kvmem_llama.evaluation": ["data/*"],
         "kvmem_llama.vendor": ["pin.json"],
         "kvmem_llama.patches": ["series", "*.patch", "overlay/**/*"],
     },
