@@ -26,7 +26,7 @@ def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool) -> None:
     cmake (ccache when installed) and installs into the engine store. Results are
     cached by pin + patch hash + target + toolchain: a second run is instant.
     """
-    plan = plan_build(sm, jobs)
+    plan = plan_build(sm, jobs, dry_run=dry_run)
     if dry_run:
         console.print(f"# engine {plan.key}")
         console.print(f"# source: {plan.src}  (pin {plan.pin.requirement} + {len(plan.series.names)} patch(es))")

@@ -127,7 +127,8 @@ class Toolchain:
         return hashlib.sha256(blob.encode()).hexdigest()[:6]
 
 
-def detect_toolchain(target: BuildTarget) -> Toolchain:
+def detect_toolchain(target: BuildTarget, require_cuda: bool = True) -> Toolchain:
+    """Find the tools; `require_cuda=False` lets a dry run print CUDA commands without nvcc."""
     cmake = shutil.which("cmake")
     if not cmake:
         raise BuildError("cmake is not installed", hint="apt-get install cmake (3.14 or newer)")
@@ -135,7 +136,7 @@ def detect_toolchain(target: BuildTarget) -> Toolchain:
     cuda = None
     if target.is_cuda:
         cuda = nvcc_version()
-        if cuda is None:
+        if cuda is None and require_cuda:
             raise BuildError(
                 f"--sm {','.join(target.sms)} needs the CUDA toolkit, but nvcc is not on PATH",
                 hint="install CUDA 13.x (nvcc) or build the CPU engine with plain `kvmem build`",
@@ -364,9 +365,10 @@ class BuildPlan:
         return self.tree_root / f"build-{self.target.name}.log"
 
 
-def plan_build(sm: str | None = None, jobs: int | None = None) -> BuildPlan:
+def plan_build(sm: str | None = None, jobs: int | None = None, dry_run: bool = False) -> BuildPlan:
     target = BuildTarget(parse_sms(sm) if sm else ())
-    return BuildPlan(target, load_pin(), load_series(), detect_toolchain(target), jobs or os.cpu_count() or 2)
+    toolchain = detect_toolchain(target, require_cuda=not dry_run)
+    return BuildPlan(target, load_pin(), load_series(), toolchain, jobs or os.cpu_count() or 2)
 
 
 def _ccache_env(plan: BuildPlan) -> dict[str, str]:

