@@ -276,7 +276,8 @@ def create_edit_tree(upstream: Path, series: Series, dest: Path, upstream_label:
         raise KvmemError("git is not installed; the edit loop needs it", hint="apt-get install git")
     if dest.exists() and any(dest.iterdir()):
         raise KvmemError(f"{dest} exists and is not empty", hint="choose a new directory")
-    shutil.copytree(upstream, dest, ignore=shutil.ignore_patterns(".kvmem-upstream.json"))
+    # upstream ships a stray `.git` file (it was a submodule there); our repo must own .git
+    shutil.copytree(upstream, dest, ignore=shutil.ignore_patterns(".kvmem-upstream.json", ".git"))
     _git(dest, "init", "-q", "-b", "kvmem")
     _git(dest, "config", "user.name", "kvmem maintainer")
     _git(dest, "config", "user.email", "kvmem@localhost")

@@ -124,6 +124,7 @@ def test_edit_then_export_round_trip(tmp_path: Path) -> None:
         pytest.fail("git is required for the maintainer loop")
     series = load_series(write_series(tmp_path / "p", {"0001-good.patch": GOOD_PATCH}, {"src/ours.h": "v1\n"}))
     upstream = fake_upstream(tmp_path / "upstream")
+    (upstream / ".git").write_text("gitdir: ../.git/modules/llama.cpp\n")  # as the pinned sdist ships it
     work = tmp_path / "work"
     create_edit_tree(upstream, series, work, "fake upstream")
     log = subprocess.run(["git", "-C", str(work), "log", "--format=%s"], capture_output=True, text=True).stdout
