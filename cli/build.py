@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvmem_llama.cli.console import console, human_bytes
-from kvmem_llama.engine import iter_engine_rows, plan_build, run_build
+from kvmem_llama.engine import iter_engine_rows, list_engines, plan_build, run_build
+from kvmem_llama.errors import KvmemError
+from kvmem_llama.packaging import SUMS_FILE, install_engine_package, package_engine
 
 
 @click.command()
@@ -49,10 +52,13 @@ def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool) -> None:
         console.print(f"[green]built[/] {engine.key} in {engine.info['build_seconds']:.0f} s → {engine.path}")
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def engines(as_json: bool) -> None:
-    """List the engines in the store with their build info."""
+@click.pass_context
+def engines(ctx: click.Context, as_json: bool) -> None:
+    """List the engines in the store with their build info (or install/package one)."""
+    if ctx.invoked_subcommand is not None:
+        return
     rows = list(iter_engine_rows())
     if as_json:
         console.print_json(data=rows)
@@ -68,6 +74,34 @@ def engines(as_json: bool) -> None:
         table.add_row(row["key"] + mark, row["target"], row["sms"], row["upstream"], row["series"],
                       row["built_at"], f"{row['build_seconds'] or 0:.0f}", human_bytes(row["size"]))
     console.print(table)
+
+
+@engines.command("install")
+@click.argument("package")
+@click.option("--sums", metavar="PATH|URL", help="SHA256SUMS to verify against (default: next to the package).")
+@click.option("--gpu-sm", metavar="SM", help="Check against this SM instead of the GPUs detected here.")
+def engines_install(package: str, sums: str | None, gpu_sm: str | None) -> None:
+    """Install an engine package (path or URL) after verifying it.
+
+    The tarball's sha256 must match SHA256SUMS, every file must match its build-info
+    sha256, and a CUDA engine must hold machine code for this GPU's SM.
+    """
+    engine = install_engine_package(package, sums, [gpu_sm.replace(".", "")] if gpu_sm else None)
+    console.print(f"[green]installed[/] {engine.key} ({engine.target}) → {engine.path}")
+
+
+@engines.command("package")
+@click.argument("key", required=False)
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("dist"),
+              show_default=True, help="Where the tarball and SHA256SUMS go.")
+def engines_package(key: str | None, out_dir: Path) -> None:
+    """Package an installed engine (default: the newest) as a tarball + SHA256SUMS."""
+    engine = next((e for e in list_engines() if key in (None, e.key)), None)
+    if engine is None:
+        raise KvmemError(f"no engine {key!r} in the store" if key else "no engines in the store",
+                         hint="see `kvmem engines`")
+    tarball = package_engine(engine, out_dir)
+    console.print(f"[green]packaged[/] {tarball} ({human_bytes(tarball.stat().st_size)}); sums: {out_dir / SUMS_FILE}")
 
 
 COMMANDS = [build, engines]

@@ -11,6 +11,7 @@ from kvmem_llama import paths
 from kvmem_llama.cli.console import console, human_bytes
 from kvmem_llama.engine import tree_key
 from kvmem_llama.errors import KvmemError
+from kvmem_llama.packaging import pack_source, unpack_source
 from kvmem_llama.patches import PATCHES_DIR
 from kvmem_llama.patching import create_edit_tree, export_edit_tree, load_series, patch_subject
 from kvmem_llama.vendor import load_pin
@@ -111,6 +112,23 @@ def export(directory: Path, patches_dir: Path | None) -> None:
     series = export_edit_tree(directory, target)
     console.print(f"[green]exported[/] {len(series.names)} patch(es), {len(series.overlay_files())} overlay "
                   f"file(s) to {target}; series hash {series.hash()[:12]}")
+
+
+@vendor.command()
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".kvmem"),
+              show_default=True, help="Directory for the tarball (git-ignored by default).")
+def pack(out_dir: Path) -> None:
+    """Write the patched tree as a compact tar.xz, for a build host with no registry access."""
+    tarball = pack_source(out_dir)
+    console.print(f"[green]packed[/] {tarball} ({human_bytes(tarball.stat().st_size)})")
+
+
+@vendor.command()
+@click.argument("pack_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def unpack(pack_file: Path) -> None:
+    """Use a source pack made by `kvmem vendor pack` (same commit) as the tree to build."""
+    src = unpack_source(pack_file)
+    console.print(f"[green]unpacked[/] {pack_file.name} → {src}; now run `kvmem build`")
 
 
 COMMANDS = [vendor]

@@ -222,7 +222,7 @@ class Engine:
 
     @property
     def key(self) -> str:
-        return self.path.name
+        return self.info.get("key") or self.path.name
 
     @property
     def target(self) -> str:
