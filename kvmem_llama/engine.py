@@ -159,6 +159,7 @@ def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, b
         "-DBUILD_SHARED_LIBS=ON",
         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
         "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",  # no downloads at build time; the server runs without its web UI
         "-DGGML_RPC=ON",
         # binaries find their libraries next to them or in ../lib, wherever the engine lives
         "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN/../lib;$ORIGIN",
@@ -170,7 +171,7 @@ def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, b
         args += [
             "-DGGML_CUDA=ON",
             f"-DCMAKE_CUDA_ARCHITECTURES={target.cuda_architectures}",
-            "-DGGML_CUDA_FA_ALL_QUANTS=ON",  # q5_0/q8_0 KV with flash attention
+            "-DGGML_CUDA_FA_QUANTS=all",  # q5_0/q8_0 KV with flash attention (the pin's name for FA_ALL_QUANTS)
             "-DGGML_NATIVE=OFF",  # CUDA engines are shipped to other hosts
         ]
         if toolchain.ccache:
@@ -267,7 +268,10 @@ def list_engines() -> list[Engine]:
 
 
 def engine_key(target: BuildTarget, pin: Pin, series: Series, toolchain: Toolchain) -> str:
-    return f"{target.name}-{tree_key(pin, series)}-{toolchain.key()}"
+    """Everything that changes the binaries: target, pin, series, toolchain and our cmake flags."""
+    flags = cmake_configure_args(target, toolchain, Path("src"), Path("build"))
+    digest = hashlib.sha256(f"{toolchain.key()}|{flags}".encode()).hexdigest()[:6]
+    return f"{target.name}-{tree_key(pin, series)}-{digest}"
 
 
 def find_engine(target: str = "cpu", current_only: bool = True) -> Engine | None:

@@ -29,8 +29,8 @@ from kvmem_llama.vendor import load_pin
 from kvmem_llama.vendor.fetch import sha256_file
 
 # Parts of upstream that no engine build reads (docs, vocab test models, web UI sources, tests, ...).
-PACK_EXCLUDES = ("docs", "models", "media", "benches", ".github", "tests", "examples", "tools/ui",
-                 "gguf-py", "conversion", "pocs", "scripts", "app", "skills", ".devops", "ci")
+PACK_EXCLUDES = ("docs", "models", "media", "benches", ".github", "tests", "examples", "tools/ui/tests",
+                 "gguf-py", "conversion", "pocs", "app", "skills", ".devops", "ci", ".git")
 SUMS_FILE = "SHA256SUMS"
 
 

@@ -46,7 +46,7 @@ def test_dry_run_for_sm90_shows_real_arch_and_all_fa_quants(tmp_path: Path) -> N
     assert out.returncode == 0, out.stderr
     text = out.stdout.replace("\n", " ")
     assert "-DCMAKE_CUDA_ARCHITECTURES=90-real" in text
-    assert "-DGGML_CUDA_FA_ALL_QUANTS=ON" in text
+    assert "-DGGML_CUDA_FA_QUANTS=all" in text
     assert "-DGGML_CUDA=ON" in text and "-DGGML_RPC=ON" in text
     for target in BUILD_TARGETS:
         assert f" {target}" in text

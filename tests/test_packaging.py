@@ -46,7 +46,7 @@ def test_matrix_dry_run_prints_all_six_targets() -> None:
     assert out.returncode == 0, out.stderr
     for arch in ("75-real", "80-real", "86-real", "89-real", "90-real", "120a-real"):
         assert f"-DCMAKE_CUDA_ARCHITECTURES={arch}" in out.stdout
-    assert out.stdout.count("-DGGML_CUDA_FA_ALL_QUANTS=ON") == 6
+    assert out.stdout.count("-DGGML_CUDA_FA_QUANTS=all") == 6
 
 
 @pytest.fixture

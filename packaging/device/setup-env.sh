@@ -1,0 +1,8 @@
+# Source this on the GPU build host (no registry access): install carried wheels and kvmem itself.
+#   carry: .whl (wheels for Python deps the host lacks) and .kvmem (the source pack)
+set -e
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/kv . >/dev/null
+export PYTHONPATH=/tmp/kv:/tmp/site PATH=/tmp/kv/bin:$PATH PYTHONUNBUFFERED=1
+kvmem vendor unpack .kvmem/kvmem-src-*.tar.xz
+set +e
