@@ -40,6 +40,7 @@ setup(
         "psutil>=5.9",
         "gguf>=0.10",
         "numpy>=1.24",
+        "huggingface_hub>=0.23",
     ],
     extras_require={
         "test": ["pytest>=7", "openai>=1.30", "ruff>=0.5"],

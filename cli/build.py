@@ -22,14 +22,16 @@ from kvmem_llama.packaging import SUMS_FILE, install_engine_package, package_eng
 @click.option("-j", "--jobs", type=click.IntRange(1, 512), help="Parallel compile jobs (default: all cores).")
 @click.option("--dry-run", is_flag=True, help="Print the exact cmake commands and exit.")
 @click.option("--force", is_flag=True, help="Rebuild even if this engine is already installed.")
-def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool) -> None:
+@click.option("--upstream", is_flag=True,
+              help="Build the pinned llama.cpp WITHOUT our patches (a baseline for A/B benchmarks).")
+def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool, upstream: bool) -> None:
     """Build an engine (llama-server, llama-cli, llama-bench, rpc-server, libllama).
 
     Fetches the pinned llama.cpp (verified), applies our patch series, builds with
     cmake (ccache when installed) and installs into the engine store. Results are
     cached by pin + patch hash + target + toolchain: a second run is instant.
     """
-    plan = plan_build(sm, jobs, dry_run=dry_run)
+    plan = plan_build(sm, jobs, dry_run=dry_run, upstream=upstream)
     if dry_run:
         console.print(f"# engine {plan.key}")
         console.print(f"# source: {plan.src}  (pin {plan.pin.requirement} + {len(plan.series.names)} patch(es))")

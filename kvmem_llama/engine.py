@@ -279,7 +279,7 @@ def find_engine(target: str = "cpu", current_only: bool = True) -> Engine | None
     pin, series = load_pin(), load_series()
     wanted = tree_key(pin, series)
     for engine in list_engines():
-        if engine.target != target:
+        if engine.target != target or engine.info.get("upstream"):
             continue
         if current_only and engine.info.get("tree_key") != wanted:
             continue
@@ -342,10 +342,12 @@ class BuildPlan:
     series: Series
     toolchain: Toolchain
     jobs: int
+    upstream: bool = False  # the pin without our series, for A/B benchmarks
 
     @property
     def key(self) -> str:
-        return engine_key(self.target, self.pin, self.series, self.toolchain)
+        key = engine_key(self.target, self.pin, self.series, self.toolchain)
+        return f"upstream-{key}" if self.upstream else key
 
     @property
     def tree_root(self) -> Path:
@@ -369,10 +371,12 @@ class BuildPlan:
         return self.tree_root / f"build-{self.target.name}.log"
 
 
-def plan_build(sm: str | None = None, jobs: int | None = None, dry_run: bool = False) -> BuildPlan:
+def plan_build(sm: str | None = None, jobs: int | None = None, dry_run: bool = False,
+               upstream: bool = False) -> BuildPlan:
     target = BuildTarget(parse_sms(sm) if sm else ())
     toolchain = detect_toolchain(target, require_cuda=not dry_run)
-    return BuildPlan(target, load_pin(), load_series(), toolchain, jobs or os.cpu_count() or 2)
+    series = Series(Path("(none: upstream)"), []) if upstream else load_series()
+    return BuildPlan(target, load_pin(), series, toolchain, jobs or os.cpu_count() or 2, upstream)
 
 
 def _ccache_env(plan: BuildPlan) -> dict[str, str]:
@@ -446,6 +450,7 @@ def run_build(plan: BuildPlan, log: Callable[[str], None] = print,
     info = {
         "kvmem_version": __version__,
         "key": plan.key,
+        "upstream": plan.upstream,
         "target": plan.target.name,
         "sms": list(plan.target.sms),
         "cuda_architectures": plan.target.cuda_architectures or None,

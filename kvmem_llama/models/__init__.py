@@ -1,0 +1,248 @@
+"""Models: catalog of aliases, the verified model store, hub downloads, HF cache reuse, GGUF inspection.
+
+The entry point for other code is `resolve_model(name_or_path, pull=..., confirm=...)`:
+an alias (`qwen27b`, `smollm2`), `OWNER/REPO:FILE.gguf`, a stored file's name or sha256
+prefix, or a path to a GGUF file -> a ResolvedModel with a verified path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvmem_llama.errors import KvmemError, VerificationError
+from kvmem_llama.models import catalog as _catalog
+from kvmem_llama.models import hf_cache, store
+from kvmem_llama.models.catalog import REPO_RE, CatalogEntry, load_catalog, suggestions, validate_repo_file
+from kvmem_llama.models.download import Download, Progress, download_verified, sha256_file
+from kvmem_llama.models.store import Record
+
+__all__ = [
+    "CatalogEntry", "GGUFFormatError", "ModelInfo", "Progress", "Record", "ResolvedModel", "load_catalog",
+    "model_info", "pull", "pull_model", "resolve_model", "search",
+]
+
+Confirm = Callable[[str], bool]
+
+
+def __getattr__(name: str) -> Any:
+    # gguf (and numpy) load only when something reads a header: keeps `kvmem --help` fast
+    if name in ("GGUFFormatError", "ModelInfo", "model_info"):
+        from kvmem_llama.models import gguf_info
+
+        return getattr(gguf_info, name)
+    raise AttributeError(name)
+
+
+def check_gguf(path: Path) -> Any:
+    from kvmem_llama.models.gguf_info import check_gguf as _check
+
+    return _check(path)
+
+
+@dataclass
+class ResolvedModel:
+    path: Path
+    alias: str | None
+    entry: CatalogEntry | None
+    record: Record | None = None
+
+    @property
+    def sha256(self) -> str | None:
+        return self.record.sha256 if self.record else None
+
+    @property
+    def profiles(self) -> tuple[dict[str, Any], ...]:
+        return self.entry.profiles if self.entry else ()
+
+    def profile_for(self, vram_gib: float) -> dict[str, Any] | None:
+        return self.entry.profile_for(vram_gib) if self.entry else None
+
+
+def search(text: str = "") -> list[CatalogEntry]:
+    return _catalog.search(text)
+
+
+def _looks_like_path(name: str) -> bool:
+    return (name.startswith(("/", "./", "../", "~")) or name.endswith(".gguf") and ":" not in name
+            or os.sep in name and ":" not in name or Path(name).expanduser().is_file())
+
+
+def _split_repo_file(name: str) -> tuple[str, str] | None:
+    if ":" not in name:
+        return None
+    repo, _, filename = name.partition(":")
+    if "/" not in repo:
+        return None
+    if not REPO_RE.match(repo):
+        validate_repo_file(repo, filename)  # raises with a clear message
+    validate_repo_file(repo, filename)
+    if not filename.endswith(".gguf"):
+        raise KvmemError(f"{filename!r} is not a .gguf file", hint="kvmem pulls GGUF files: OWNER/REPO:FILE.gguf")
+    return repo, filename
+
+
+def _unknown(name: str) -> KvmemError:
+    cat = load_catalog()
+    close = suggestions(name, cat)
+    hint = f"did you mean: {', '.join(close)}?" if close else "`kvmem search` lists the catalog"
+    return KvmemError(f"unknown model {name!r}: not an alias, a stored model, OWNER/REPO:FILE.gguf or a file",
+                      hint=hint + " (or pass OWNER/REPO:FILE.gguf, or a path to a .gguf file)")
+
+
+def _record_ok(rec: Record) -> bool:
+    p = Path(rec.path)
+    return p.is_file() and p.stat().st_size == rec.size
+
+
+def _register_checked(path: Path, expected: str | None, *, aliases: list[str], source: dict[str, Any],
+                      in_place: bool, progress: Progress | None) -> Record:
+    """Hash a file found outside our downloads; register it if it matches (or there is nothing to match)."""
+    check_gguf(path)
+    if progress:
+        progress.phase(f"verifying {path.name}", path.stat().st_size)
+    got = sha256_file(path, progress)
+    if expected and got != expected:
+        raise VerificationError(f"{path}: sha256 mismatch: expected {expected}, got {got}",
+                                hint="that copy is damaged or a different file; delete it and pull again")
+    return store.register(path, got, aliases=aliases, source={**source, "expected_sha256": expected},
+                          in_place=in_place, verified=expected is not None)
+
+
+def _entry_for(name: str) -> tuple[CatalogEntry | None, str | None]:
+    """(catalog entry or an ad-hoc one for REPO:FILE, alias to record) — or raise with suggestions."""
+    entry = _catalog.lookup(name)
+    if entry is not None:
+        return entry, entry.alias
+    rf = _split_repo_file(name)
+    if rf is not None:
+        return CatalogEntry(alias=f"{rf[0]}:{rf[1]}".lower(), repo=rf[0], file=rf[1], origin="command line"), None
+    return None, None
+
+
+def _pull_shipped(entry: CatalogEntry, alias: str | None, install: bool, progress: Progress | None) -> Record:
+    from kvmem_llama.shipped import SHIPPED, missing_requirements, shipped_model_path
+
+    if progress and install and missing_requirements(SHIPPED[entry.shipped]):
+        progress.phase(f"installing the PyPI chunks of {entry.shipped}", 0)
+    path = shipped_model_path(entry.shipped, install=install)
+    shipped = SHIPPED[entry.shipped]
+    want = entry.sha256 or shipped.sha256
+    if len(shipped.chunks) > 1 and want == shipped.sha256:
+        # shipped_model_path hashed the joined chunks before renaming the file into place
+        check_gguf(path)
+        return store.register(path, want, aliases=[alias] if alias else [], in_place=True,
+                              source={"kind": "shipped", "package": entry.shipped, "verified_by": "join"})
+    return _register_checked(path, want, aliases=[alias] if alias else [], in_place=True,
+                             source={"kind": "shipped", "package": entry.shipped}, progress=progress)
+
+
+def _pull_hub(entry: CatalogEntry, alias: str | None, *, connections: int, insecure: bool,
+              progress: Progress | None, confirm: Confirm | None, max_retries: int, backoff: float) -> Record:
+    from kvmem_llama.models.hub import Hub, auth_headers, endpoint
+
+    assert entry.repo
+    hub = Hub(insecure=insecure)
+    try:
+        filename = entry.file or hub.pick_quant(entry.repo, entry.quant, entry.revision)
+        info = hub.file_info(entry.repo, filename, entry.revision)
+        label = f"{entry.repo}:{filename}"
+        if entry.sha256 and info.sha256 != entry.sha256:
+            raise VerificationError(f"{label}: the hub's file has sha256 {info.sha256}, the catalog expects "
+                                    f"{entry.sha256}", hint="the repo was updated; update the catalog entry "
+                                    "(or your $KVMEM_HOME/catalog.json) after checking the new file")
+        if entry.size and info.size != entry.size:
+            raise VerificationError(f"{label}: the hub's file is {info.size} bytes, the catalog expects {entry.size}",
+                                    hint="the repo was updated; check and update the catalog entry")
+        aliases = [alias] if alias else []
+        aliases.append(label.lower())
+        source = {"kind": "hub", "endpoint": endpoint(), "repo": entry.repo, "file": filename,
+                  "revision": entry.revision, "commit": info.commit}
+        cached = hf_cache.find_file(entry.repo, filename, entry.revision)
+        if cached is not None and cached.size == info.size:
+            return _register_checked(cached.path, info.sha256, aliases=aliases, in_place=True,
+                                     source={**source, "kind": "hf-cache"}, progress=progress)
+        target = store.hub_target(entry.repo, filename, info.sha256)
+        if confirm is not None and not confirm(f"Download {label} ({info.size / 2**30:.2f} GiB) to {target.parent}?"):
+            raise KvmemError("download declined", hint=f"run `kvmem pull {alias or label}` when ready")
+        path = download_verified(hub.client, Download(info.url, info.size, info.sha256, label), target,
+                                 store.partial_dir(), connections=connections, headers=auth_headers(),
+                                 max_retries=max_retries, backoff=backoff, progress=progress)
+        return store.register(path, info.sha256, aliases=aliases, source=source, in_place=False)
+    finally:
+        hub.client.close()
+
+
+def pull_model(name: str, *, connections: int = 8, insecure: bool = False, progress: Progress | None = None,
+         confirm: Confirm | None = None, max_retries: int = 6, backoff: float = 0.5) -> Record:
+    """Make `name` (alias or OWNER/REPO:FILE.gguf) present and verified in the store."""
+    rec = store.find(name)
+    if rec is not None and _record_ok(rec) and (rec.verified_at or _catalog.lookup(name) is None):
+        return rec
+    entry, alias = _entry_for(name)
+    if entry is None:
+        raise _unknown(name)
+    if entry.shipped:
+        return _pull_shipped(entry, alias, True, progress)
+    cached = hf_cache.find_for_entry(entry)
+    if cached is not None:
+        expected = entry.sha256 or cached.blob_sha256
+        aliases = [a for a in (alias, f"{cached.repo}:{cached.filename}".lower()) if a]
+        return _register_checked(cached.path, expected, aliases=aliases, in_place=True,
+                                 source={"kind": "hf-cache", "repo": cached.repo, "file": cached.filename,
+                                         "commit": cached.commit}, progress=progress)
+    return _pull_hub(entry, alias, connections=connections, insecure=insecure, progress=progress,
+                     confirm=confirm, max_retries=max_retries, backoff=backoff)
+
+
+def resolve_model(name_or_path: str, *, pull: bool = False, confirm: Confirm | None = None,
+                  progress: Progress | None = None, connections: int = 8, insecure: bool = False) -> ResolvedModel:
+    """Find (and with pull=True, fetch) a model; the returned path is a GGUF that passed verification.
+
+    name_or_path: an alias from the catalog, OWNER/REPO:FILE.gguf, a stored model (alias, file
+    name, sha256 prefix) or a path. `confirm(message) -> bool` is asked before a download starts.
+    Without pull=True nothing is downloaded: a missing model raises KvmemError with the pull command.
+    """
+    name = name_or_path.strip()
+    if not name:
+        raise KvmemError("empty model name", hint="an alias like smollm2, or a path to a .gguf file")
+    if "\x00" in name:
+        raise KvmemError("invalid model name (NUL byte)")
+    rec = store.find(name)
+    if rec is not None and _record_ok(rec):
+        entry = _catalog.lookup(name) or next((e for a in rec.aliases if (e := _catalog.lookup(a))), None)
+        alias = name.lower() if name.lower() in rec.aliases else (rec.aliases[0] if rec.aliases else None)
+        return ResolvedModel(Path(rec.path), alias, entry, rec)
+    path = Path(name).expanduser()
+    if path.is_file():  # an existing file wins over any name it might also parse as
+        check_gguf(path)
+        return ResolvedModel(path.resolve(), None, None, store.find(str(path)))
+    entry, alias = _entry_for(name)
+    if entry is None:
+        if _looks_like_path(name):
+            raise KvmemError(f"no such model file: {path}", hint="an alias (`kvmem list`) or a .gguf path")
+        raise _unknown(name)
+    if entry.shipped:
+        # joining chunks that are already installed is local work; only pip installs need pull=True
+        try:
+            rec = _pull_shipped(entry, alias, pull, progress)
+        except VerificationError:
+            raise
+        except KvmemError as exc:
+            if pull:
+                raise
+            raise KvmemError(f"{entry.alias} is not installed ({exc})", hint=f"kvmem pull {entry.alias}") from exc
+        return ResolvedModel(Path(rec.path), alias, entry, rec)
+    cached = hf_cache.find_for_entry(entry)
+    if cached is not None or pull:
+        rec = pull_model(name, connections=connections, insecure=insecure, progress=progress, confirm=confirm)
+        return ResolvedModel(Path(rec.path), alias, entry, rec)
+    size = f" ({entry.size / 2**30:.1f} GiB)" if entry.size else ""
+    raise KvmemError(f"{name} is not in the model store or the Hugging Face cache",
+                     hint=f"kvmem pull {name}{size}")
+
+
+pull = pull_model  # `kvmem_llama.models.pull(name)`; resolve_model's `pull=` flag shadows it inside
