@@ -1,0 +1,77 @@
+"""`kvmem bench`: long-context serving benchmark (one configuration per call) and its report."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import click
+
+from kvmem_llama.bench import append_results, load_results, markdown_table, plot, ratios, run_one
+from kvmem_llama.cli.console import console
+from kvmem_llama.engine import list_engines, load_engine
+from kvmem_llama.errors import KvmemError
+
+
+def _resolve_server(engine: str) -> Path:
+    path = Path(engine)
+    if path.is_dir() and (found := load_engine(path)):
+        return found.server
+    for candidate in list_engines():
+        if candidate.key == engine or candidate.key.startswith(engine):
+            return candidate.server
+    raise KvmemError(f"no engine {engine!r}", hint="give an engine key from `kvmem engines` or an engine directory")
+
+
+@click.group(invoke_without_command=True)
+@click.option("--engine", help="Engine key (prefix) or directory.")
+@click.option("-m", "--model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--config", "config", help="Label of this configuration (e.g. upstream, tiering-off, tiering-on).")
+@click.option("--contexts", default="4096,32768", show_default=True, help="Comma list of logical contexts.")
+@click.option("--gen", "gen_tokens", default=64, show_default=True, help="Tokens generated per turn.")
+@click.option("--server-args", default="", help="Extra llama-server flags for this configuration (one string).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
+              show_default=True)
+@click.pass_context
+def bench(ctx: click.Context, engine: str | None, model: Path | None, config: str | None, contexts: str,
+          gen_tokens: int, server_args: str, out_dir: Path) -> None:
+    """Measure prefill/decode speed, VRAM, host RSS and selection time at long contexts.
+
+    Run once per configuration (same --out), then `kvmem bench report --out DIR`.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if not (engine and model and config):
+        raise click.UsageError("--engine, --model and --config are required")
+    server = _resolve_server(engine)
+    results = []
+    for context in [int(c) for c in contexts.split(",") if c.strip()]:
+        console.print(f"[dim]•[/] {config} @ {context:,} tokens …")
+        result = run_one(server, model, config, context, shlex.split(server_args), out_dir / "logs", gen_tokens)
+        results.append(result)
+        append_results(out_dir / "results.jsonl", [result])
+        status = f"[red]{result.error[:200]}[/]" if result.error else (
+            f"prefill {result.prefill_tps:.0f} tok/s, decode {result.decode_tps:.1f} tok/s, "
+            f"KV {result.kv_buffer_mib:.0f} MiB, peak VRAM {result.peak_vram_mib or 0:.0f} MiB")
+        console.print(f"  {config} @ {context:,}: {status}")
+
+
+@bench.command()
+@click.option("--out", "out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
+@click.option("--baseline", default="upstream", show_default=True, help="Configuration the ratios divide by.")
+def report(out_dir: Path, baseline: str) -> None:
+    """Write results.md, ratios.json and decode_vs_context.png from results.jsonl."""
+    rows = load_results(out_dir / "results.jsonl")
+    table = markdown_table(rows)
+    (out_dir / "results.md").write_text(table, encoding="utf-8")
+    rel = ratios(rows, baseline)
+    (out_dir / "ratios.json").write_text(json.dumps(rel, indent=2), encoding="utf-8")
+    plot(rows, out_dir / "decode_vs_context.png")
+    console.print(table)
+    for r in rel:
+        console.print(f"{r['config']} @ {r['context']:,}: decode ×{r['decode_vs_baseline']}, "
+                      f"prefill ×{r['prefill_vs_baseline']}, KV ×{r['kv_buffer_vs_baseline']}")
+
+
+COMMANDS = [bench]

@@ -1,0 +1,39 @@
+"""`kvmem bench` on the CPU engine: the serving benchmark runs end to end and reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvmem_llama.bench import load_results, ratios
+from kvmem_llama.engine import Engine
+
+pytestmark = pytest.mark.engine
+
+
+def test_bench_two_configs_and_report(cpu_engine: Engine, smollm2: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    for config, args in (("upstream", ""), ("ours", "-t 2")):
+        run = subprocess.run(["kvmem", "bench", "--engine", str(cpu_engine.path), "--model", str(smollm2),
+                              "--config", config, "--contexts", "640", "--gen", "8", "--server-args", args,
+                              "--out", str(out)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+    rows = load_results(out / "results.jsonl")
+    assert {r["config"] for r in rows} == {"upstream", "ours"}
+    for row in rows:
+        assert row["error"] is None
+        assert row["prefill_tps"] > 0 and row["decode_tps"] > 0
+        assert row["kv_buffer_mib"] > 0  # parsed from the engine's own log
+        assert row["host_rss_peak_mib"] > 50
+    report = subprocess.run(["kvmem", "bench", "report", "--out", str(out)], capture_output=True, text=True,
+                            timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert (out / "decode_vs_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| ours | 640 |" in (out / "results.md").read_text()
+    rel = json.loads((out / "ratios.json").read_text())
+    assert {r["config"] for r in rel} == {"upstream", "ours"}
+    assert next(r for r in rel if r["config"] == "upstream")["decode_vs_baseline"] == 1.0
+    assert ratios(rows, "missing") == []
