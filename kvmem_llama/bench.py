@@ -24,7 +24,7 @@ import httpx
 import psutil
 
 from kvmem_llama.errors import KvmemError
-from kvmem_llama.kvmem_log import parse_select
+from kvmem_llama.kvmem_log import parse_armed, parse_select
 
 TURN2_TOKENS = 512
 KV_BUFFER = re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB")
@@ -43,6 +43,7 @@ class BenchResult:
     host_rss_peak_mib: float
     select_ms: list[float] = field(default_factory=list)
     staged_in_blocks: list[int] = field(default_factory=list)
+    stage_in_gbps: list[float] = field(default_factory=list)  # staged bytes / (selection + stage-in time)
     wall_s: float = 0.0
     error: str | None = None
 
@@ -140,11 +141,18 @@ def run_one(server: Path, model: Path, config: str, context: int, server_args: l
             proc.kill()
     text = log_path.read_text(errors="replace")
     result.kv_buffer_mib = sum(float(m) for m in KV_BUFFER.findall(text))
+    block_bytes = 0
     for line in text.splitlines():
+        if armed := parse_armed(line):
+            # K + V of one block over all tiered layers, at f16 (2 bytes); quantized KV moves less
+            block_bytes = armed["block_tokens"] * armed["layers"] * armed["kv_heads"] * armed["head_dim"] * 2 * 2
         select = parse_select(line)
         if select:
             result.select_ms.append(float(select["ms"]))
             result.staged_in_blocks.append(int(select["staged_in"]))
+            if block_bytes and select["staged_in"] and select["ms"] > 0:
+                gbps = select["staged_in"] * block_bytes / (select["ms"] / 1000) / 1e9
+                result.stage_in_gbps.append(round(gbps, 2))
     result.peak_vram_mib = sampler.peak_vram
     result.host_rss_peak_mib = round(sampler.peak_rss, 1)
     result.wall_s = round(time.monotonic() - started, 1)

