@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvmem_llama.cli.console import console, human_bytes
-from kvmem_llama.engine import iter_engine_rows, list_engines, plan_build, run_build
+from kvmem_llama.engine import iter_engine_rows, list_engines, plan_build, remove_engines, run_build
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.packaging import SUMS_FILE, install_engine_package, package_engine
 
@@ -72,7 +72,8 @@ def engines(ctx: click.Context, as_json: bool) -> None:
     for column in ("key", "target", "SMs", "upstream", "series", "built", "build s", "size"):
         table.add_column(column)
     for row in rows:
-        mark = "" if row["current"] else " [yellow](old series)[/]"
+        mark = " [dim](upstream baseline)[/]" if row["upstream_only"] else (
+            "" if row["current"] else " [yellow](old series)[/]")
         table.add_row(row["key"] + mark, row["target"], row["sms"], row["upstream"], row["series"],
                       row["built_at"], f"{row['build_seconds'] or 0:.0f}", human_bytes(row["size"]))
     console.print(table)
@@ -90,6 +91,17 @@ def engines_install(package: str, sums: str | None, gpu_sm: str | None) -> None:
     """
     engine = install_engine_package(package, sums, [gpu_sm.replace(".", "")] if gpu_sm else None)
     console.print(f"[green]installed[/] {engine.key} ({engine.target}) → {engine.path}")
+
+
+@engines.command("rm")
+@click.argument("keys", nargs=-1)
+@click.option("--stale", is_flag=True, help="Also remove every engine built from an older patch series.")
+def engines_rm(keys: tuple[str, ...], stale: bool) -> None:
+    """Remove engines from the store."""
+    if not keys and not stale:
+        raise click.UsageError("name engine keys, or pass --stale")
+    removed = remove_engines(list(keys), stale)
+    console.print(f"removed {len(removed)} engine(s)" + "".join(f"\n  {k}" for k in removed))
 
 
 @engines.command("package")

@@ -6,8 +6,9 @@ import sys
 
 from rich.console import Console
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+# Pipes and log files get 140 columns instead of rich's 80, so tables and paths stay readable.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
+err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 140)
 
 
 def human_bytes(n: float | int | None) -> str:

@@ -470,6 +470,25 @@ def run_build(plan: BuildPlan, log: Callable[[str], None] = print,
     return _install(plan.build_dir, plan.src, paths.engines_dir(), plan.key, info), False
 
 
+def remove_engines(keys: list[str], stale: bool = False) -> list[str]:
+    """Delete engines by key; `stale`: also every engine of ours that is not the newest current one of its target."""
+    current = tree_key(load_pin(), load_series())
+    keep: dict[str, str] = {}
+    for engine in list_engines():  # newest first
+        if engine.info.get("tree_key") == current and not engine.info.get("upstream"):
+            keep.setdefault(engine.target, engine.key)
+    removed = []
+    for engine in list_engines():
+        old = stale and not engine.info.get("upstream") and keep.get(engine.target) != engine.key
+        if engine.key in keys or old:
+            shutil.rmtree(engine.path)
+            removed.append(engine.key)
+    missing = set(keys) - set(removed)
+    if missing:
+        raise KvmemError(f"no such engine: {', '.join(sorted(missing))}", hint="see `kvmem engines`")
+    return removed
+
+
 def engine_size(engine: Engine) -> int:
     return sum(p.stat().st_size for p in engine.path.rglob("*") if p.is_file() and not p.is_symlink())
 
@@ -490,6 +509,7 @@ def iter_engine_rows() -> Iterator[dict]:
                         f"({info.get('pin', {}).get('upstream_commit', '?')})",
             "series": info.get("series_hash", "?")[:10],
             "current": info.get("tree_key") == current,
+            "upstream_only": bool(info.get("upstream")),
             "built_at": info.get("built_at", "?"),
             "build_seconds": info.get("build_seconds"),
             "size": engine_size(engine),
