@@ -1,0 +1,110 @@
+"""Parse the engine's stable `kvmem_score:` log lines (see design notes, section 4).
+
+    kvmem_score: ARMED blocks=.. block_tokens=.. layers=.. kv_heads=.. head_dim=.. budget_blocks=..
+    kvmem_score: SELECT seq=.. n_blocks=.. budget_blocks=.. sink=.. recent=.. scored=.. staged_in=..
+                 staged_out=.. reused=.. query_tokens=.. ms=..
+    kvmem_score: DISABLED (<reason>)
+
+Each parse function takes one line (any prefix, e.g. llama.cpp's log prefix, is allowed) and
+returns a dict, or None when the line is not that event. The launcher's readiness self-test
+and the engine's own tests both use this module, so the format lives in one place.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+ARMED_KEYS = ("blocks", "block_tokens", "layers", "kv_heads", "head_dim", "budget_blocks")
+SELECT_KEYS = ("seq", "n_blocks", "budget_blocks", "sink", "recent", "scored", "staged_in",
+               "staged_out", "reused", "query_tokens", "ms")
+
+_EVENT = re.compile(r"kvmem_score:\s+(?P<event>ARMED|SELECT|DISABLED)\b\s*(?P<rest>.*?)\s*$")
+_PAIR = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>\S+)")
+_DISABLED = re.compile(r"^\((?P<reason>.*)\)$")
+
+
+def _number(text: str) -> int | float | str:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _pairs(rest: str) -> dict:
+    return {m["key"]: _number(m["value"]) for m in _PAIR.finditer(rest)}
+
+
+def _event(line: str, name: str) -> str | None:
+    match = _EVENT.search(line)
+    if match is None or match["event"] != name:
+        return None
+    return match["rest"]
+
+
+def parse_armed(line: str) -> dict | None:
+    """`{"event": "ARMED", "blocks": int, ...}` when every documented key is present, else None."""
+    rest = _event(line, "ARMED")
+    if rest is None:
+        return None
+    fields = _pairs(rest)
+    if any(key not in fields for key in ARMED_KEYS):
+        return None
+    return {"event": "ARMED", **fields}
+
+
+def parse_select(line: str) -> dict | None:
+    """`{"event": "SELECT", "seq": int, ..., "ms": float}` when every documented key is present."""
+    rest = _event(line, "SELECT")
+    if rest is None:
+        return None
+    fields = _pairs(rest)
+    if any(key not in fields for key in SELECT_KEYS):
+        return None
+    fields["ms"] = float(fields["ms"])
+    return {"event": "SELECT", **fields}
+
+
+def parse_disabled(line: str) -> dict | None:
+    """`{"event": "DISABLED", "reason": str}`."""
+    rest = _event(line, "DISABLED")
+    if rest is None:
+        return None
+    match = _DISABLED.match(rest)
+    return {"event": "DISABLED", "reason": match["reason"] if match else rest}
+
+
+def parse_line(line: str) -> dict | None:
+    """Whichever kvmem_score event the line carries, or None."""
+    if "kvmem_score:" not in line:
+        return None
+    return parse_armed(line) or parse_select(line) or parse_disabled(line)
+
+
+def iter_events(lines: Iterable[str] | str) -> Iterator[dict]:
+    """All kvmem_score events of a log (a string or an iterable of lines), in order."""
+    if isinstance(lines, str):
+        lines = lines.splitlines()
+    for line in lines:
+        event = parse_line(line)
+        if event is not None:
+            yield event
+
+
+def selects(lines: Iterable[str] | str) -> list[dict]:
+    return [e for e in iter_events(lines) if e["event"] == "SELECT"]
+
+
+def tiering_state(lines: Iterable[str] | str) -> str:
+    """"armed", "disabled: <reason>" or "absent" (the engine printed nothing about tiering)."""
+    state = "absent"
+    for event in iter_events(lines):
+        if event["event"] == "ARMED":
+            state = "armed"
+        elif event["event"] == "DISABLED":
+            state = f"disabled: {event['reason']}"
+    return state
