@@ -41,6 +41,7 @@ setup(
         "gguf>=0.10",
         "numpy>=1.24",
         "huggingface_hub>=0.23",
+        "nvidia-ml-py>=12",
     ],
     extras_require={
         "test": ["pytest>=7", "openai>=1.30", "ruff>=0.5"],

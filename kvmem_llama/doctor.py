@@ -1,0 +1,211 @@
+"""`kvmem doctor`: the checks that explain most failed launches, each with its fix.
+
+Order matters: the first three (GPU architecture vs engine, model format, checksum) explain
+most reports; then paths, host RAM, port and driver.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvmem_llama import hardware, launcher, planner
+from kvmem_llama.engine import Engine
+from kvmem_llama.errors import KvmemError
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | fail | skip
+    detail: str
+    fix: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_VOCAB_ONLY_LOAD = """
+import sys
+from kvmem_llama.binding import ffi, load_library, recent_log
+lib = load_library(sys.argv[1])
+params = lib.llama_model_default_params()
+params.vocab_only = True
+model = lib.llama_model_load_from_file(sys.argv[2].encode(), params)
+print("".join(recent_log(60)))
+if model == ffi.NULL:
+    sys.exit(3)
+lib.llama_model_free(model)
+"""
+
+
+def engine_reads(engine: Engine, path: Path | str, timeout: float = 120) -> tuple[bool, str]:
+    """Does this engine's libllama load the file's architecture and hyperparameters? (vocab-only load)
+
+    Runs in a child process: libllama is bound once per process, and a failed load must not
+    take the caller down. Returns (ok, the engine's error line or "").
+    """
+    try:
+        out = subprocess.run([sys.executable, "-c", _VOCAB_ONLY_LOAD, str(engine.libllama), str(path)],
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"loading the vocabulary took more than {timeout:.0f} s"
+    if out.returncode == 0:
+        return True, ""
+    lines = (out.stdout + out.stderr).splitlines()
+    errors = [ln.split("error loading model: ", 1)[-1] for ln in lines if "error" in ln.lower()]
+    return False, (errors[0] if errors else (lines[-1] if lines else f"exit code {out.returncode}")).strip()
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def expected_sha256(resolved: launcher.ResolvedModel) -> tuple[str | None, str]:
+    """(sha256 on record, where the record comes from)."""
+    record = getattr(resolved.entry, "sha256", None)
+    stored = None
+    try:
+        from kvmem_llama.models import store
+
+        rec = store.find(str(resolved.path))
+        stored = rec.sha256 if rec else None
+    except (ImportError, KvmemError, AttributeError):
+        pass
+    if stored:
+        return stored, "model store record"
+    from kvmem_llama.shipped import SHIPPED
+
+    for shipped in SHIPPED.values():
+        if shipped.filename == resolved.path.name:
+            return shipped.sha256, f"shipped model {shipped.name}"
+    if record:
+        return record, "catalog"
+    return None, ""
+
+
+def _non_ascii(label_paths: dict[str, str]) -> list[str]:
+    return [f"{label}: {p}" for label, p in label_paths.items() if p and not p.isascii()]
+
+
+def run_checks(model: str | None = None, *, port: int = launcher.DEFAULT_PORT, ctx: int | None = None,
+               engine: str | None = None, host: str = launcher.DEFAULT_HOST,
+               hw: hardware.Hardware | None = None) -> list[Check]:
+    checks: list[Check] = []
+    hw = hw or hardware.detect()
+
+    # 1. architecture: the engine has kernels for this GPU
+    chosen: Engine | None = None
+    try:
+        chosen = launcher.select_engine(hw, engine)
+        if chosen.sms:
+            gpu = hw.gpu()
+            checks.append(Check("architecture", "ok", f"{gpu.name if gpu else '?'} sm_{gpu.sm if gpu else '?'}; "
+                                f"engine {chosen.key} has sm_{', sm_'.join(chosen.sms)}"))
+        else:
+            where = "no NVIDIA GPU" if not hw.has_gpu else "forced CPU engine"
+            checks.append(Check("architecture", "ok", f"{where}: CPU engine {chosen.key}"))
+    except KvmemError as exc:
+        checks.append(Check("architecture", "fail", str(exc), exc.hint))
+
+    # 2. format: a GGUF this engine reads
+    resolved = None
+    shape = None
+    try:
+        resolved = launcher.resolve_model(model)
+        meta, _tensors, version = planner.read_gguf_metadata(resolved.path)
+        arch = str(meta.get("general.architecture", "?"))
+        readable, why = engine_reads(chosen, resolved.path) if chosen is not None else (True, "")
+        if not readable:
+            unknown = "unknown model architecture" in why
+            checks.append(Check("format", "fail", f"GGUF v{version}, architecture {arch!r}: engine {chosen.key} "
+                                f"cannot load it ({why})",
+                                "update kvmem (a newer llama.cpp pin), or use a supported model" if unknown else
+                                "the file is damaged or from an incompatible converter: pull it again"))
+        else:
+            checks.append(Check("format", "ok", f"GGUF v{version}, architecture {arch}"))
+            shape = planner.shape_from_gguf(resolved.path, name=resolved.alias)
+    except KvmemError as exc:
+        checks.append(Check("format", "fail", str(exc), exc.hint))
+
+    # 3. checksum: the file is the one that was verified when it was stored
+    if resolved is not None and resolved.path.is_file():
+        expected, source = expected_sha256(resolved)
+        if expected is None:
+            checks.append(Check("checksum", "skip", "no recorded sha256 for this file",
+                                "import it with `kvmem pull PATH` to record one"))
+        else:
+            got = sha256_of(resolved.path)
+            if got == expected:
+                checks.append(Check("checksum", "ok", f"sha256 {got[:16]}... matches the {source}"))
+            else:
+                checks.append(Check("checksum", "fail",
+                                    f"sha256 {got[:16]}... but the {source} says {expected[:16]}...",
+                                    f"the file is damaged or replaced: delete {resolved.path} and pull it again"))
+    else:
+        checks.append(Check("checksum", "skip", "no model file"))
+
+    # 4. paths: non-ASCII characters break some tools and Windows builds of llama.cpp
+    odd = _non_ascii({"model": str(resolved.path) if resolved else "", "engine": str(chosen.path) if chosen else "",
+                      "cwd": os.getcwd()})
+    if odd:
+        bad = "fail" if platform.system() == "Windows" else "warn"
+        checks.append(Check("paths", bad, "non-ASCII characters in " + "; ".join(odd),
+                            "move the file/directory to a plain ASCII path (or set KVMEM_HOME to one)"))
+    else:
+        checks.append(Check("paths", "ok", "model, engine and working directory paths are ASCII"))
+
+    # 5. host RAM for the plan (host KV pool on a GPU, everything on the CPU)
+    if shape is not None:
+        plan_hw = hw if chosen is not None and chosen.sms else hardware.Hardware(
+            [], hw.ram_total, hw.ram_available, hw.cpu_count)
+        plan = planner.plan(shape, plan_hw, ctx=ctx)
+        prof = plan.profile
+        need = prof.host_mib * planner.MiB if prof.budget else shape.trunk_weights_bytes + \
+            shape.kv_bytes_per_token(prof.ctk, prof.ctv) * prof.ctx
+        short = [w for w in plan.warnings if "RAM" in w or "lowered" in w]
+        detail = f"needs ~{need / planner.GiB:.2f} GiB of {hw.ram_available / planner.GiB:.1f} GiB available " \
+                 f"(ctx {prof.ctx:,}, {'host pool' if prof.budget else 'weights + KV'})"
+        if plan.fixes:
+            checks.append(Check("host RAM", "fail", detail + "; " + "; ".join(plan.warnings), "; ".join(plan.fixes)))
+        elif short:
+            checks.append(Check("host RAM", "warn", detail + "; " + "; ".join(short), "lower --ctx or the KV type"))
+        else:
+            checks.append(Check("host RAM", "ok", detail))
+    else:
+        checks.append(Check("host RAM", "skip", "no readable model"))
+
+    # 6. port
+    if launcher.port_in_use(host, port):
+        checks.append(Check("port", "fail", f"port {port} on {host} is in use",
+                            "kvmem run --port auto (or stop what holds it: `kvmem ps`, `kvmem stop NAME`)"))
+    else:
+        checks.append(Check("port", "ok", f"port {port} on {host} is free"))
+
+    # 7. driver / CUDA
+    if not hw.has_gpu:
+        checks.append(Check("driver", "skip", f"no NVIDIA driver in use ({hw.nvml_error or 'no GPU'})"))
+    else:
+        built = (chosen.info.get("cuda") if chosen else None) or None
+        detail = f"driver {hw.driver}, supports CUDA {hw.cuda_driver}"
+        if built:
+            detail += f"; engine built with CUDA {built}"
+        try:
+            too_old = built and hw.cuda_driver and int(str(built).split(".")[0]) > int(hw.cuda_driver.split(".")[0])
+        except ValueError:
+            too_old = False
+        if too_old:
+            checks.append(Check("driver", "fail", detail,
+                                f"update the NVIDIA driver to one for CUDA {built} (580 or newer)"))
+        else:
+            checks.append(Check("driver", "ok", detail))
+    return checks

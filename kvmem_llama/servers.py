@@ -1,0 +1,175 @@
+"""Registry of servers started by kvmem: one JSON record + one log file per name in servers_dir().
+
+A record is trusted only while its pid is alive *and* has the same start time, so a reused
+pid is never mistaken for (or killed as) our server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+from kvmem_llama import paths
+from kvmem_llama.errors import KvmemError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass
+class ServerRecord:
+    name: str
+    pid: int
+    host: str
+    port: int
+    model_id: str
+    model_path: str
+    ctx: int | None
+    budget: int
+    log_path: str
+    argv: list[str]
+    engine: str
+    detached: bool
+    started_at: float = field(default_factory=time.time)
+    create_time: float | None = None  # psutil's process start time, guards against pid reuse
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def process(self) -> psutil.Process | None:
+        """The live server process, or None when it is gone (or the pid now belongs to another process)."""
+        try:
+            proc = psutil.Process(self.pid)
+            if self.create_time is not None and abs(proc.create_time() - self.create_time) > 1.0:
+                return None
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+    @property
+    def alive(self) -> bool:
+        return self.process() is not None
+
+
+def check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise KvmemError(f"invalid server name {name!r}",
+                         hint="use letters, digits, '.', '_' or '-' (up to 64 characters)")
+    return name
+
+
+def slug(text: str) -> str:
+    out = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.") or "server"
+    return out[:48]
+
+
+def root() -> Path:
+    """paths.servers_dir(), or $KVMEM_SERVERS_DIR (tests and several independent setups)."""
+    override = os.environ.get("KVMEM_SERVERS_DIR")
+    return Path(override).expanduser() if override else paths.servers_dir()
+
+
+def record_path(name: str) -> Path:
+    return root() / f"{name}.json"
+
+
+def log_path(name: str) -> Path:
+    return root() / f"{name}.log"
+
+
+def save(record: ServerRecord) -> Path:
+    path = record_path(record.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(asdict(record), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def load(name: str) -> ServerRecord | None:
+    path = record_path(name)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return ServerRecord(**data)
+    except (OSError, json.JSONDecodeError, TypeError):
+        return None
+
+
+def remove(name: str) -> None:
+    try:
+        record_path(name).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def list_records() -> list[ServerRecord]:
+    folder = root()
+    if not folder.is_dir():
+        return []
+    records = [r for p in sorted(folder.glob("*.json")) if (r := load(p.stem))]
+    return sorted(records, key=lambda r: r.started_at)
+
+
+def require(name: str) -> ServerRecord:
+    record = load(name)
+    if record is None:
+        known = ", ".join(r.name for r in list_records()) or "none"
+        raise KvmemError(f"no server named {name!r}", hint=f"known servers: {known} (see `kvmem ps`)")
+    return record
+
+
+def unique_name(base: str) -> str:
+    """`base`, or `base-2`, `base-3`, ... when a live server already has that name."""
+    base = slug(base)
+    name, n = base, 1
+    while (rec := load(name)) is not None and rec.alive:
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def stop(record: ServerRecord, timeout: float = 15.0) -> str:
+    """SIGTERM, then SIGKILL after `timeout` s. Returns "stopped", "killed" or "not running"."""
+    proc = record.process()
+    result = "not running"
+    if proc is not None:
+        try:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+                result = "stopped"
+            except psutil.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+                result = "killed"
+        except psutil.NoSuchProcess:
+            result = "stopped"
+    remove(record.name)
+    return result
+
+
+def status_row(record: ServerRecord, vram: dict[int, int] | None = None) -> dict:
+    """What `kvmem ps` shows for one record."""
+    proc = record.process()
+    rss = None
+    if proc is not None:
+        try:
+            rss = proc.memory_info().rss
+        except psutil.Error:
+            pass
+    return {
+        "name": record.name, "pid": record.pid, "port": record.port, "model": record.model_id,
+        "ctx": record.ctx, "budget": record.budget, "alive": proc is not None,
+        "uptime_s": time.time() - record.started_at if proc is not None else None,
+        "rss": rss, "vram": (vram or {}).get(record.pid), "detached": record.detached,
+        "url": record.url, "log": record.log_path,
+    }
