@@ -65,6 +65,55 @@ def recent_log(n: int = 50) -> list[str]:
     return _log_sink[-n:]
 
 
+KVMEM_METHODS = {"retrieval": 0, "recency": 1}
+
+
+@dataclass(frozen=True)
+class KvmemConfig:
+    """KV tiering settings of a context (the `--kvmem-*` flags of llama-server / llama-cli)."""
+
+    budget: int = 0  # GPU working-set tokens; 0 = tiering off
+    block: int = 128
+    sink: int = 128
+    recent: int = 256
+    gen_reserve: int = 256
+    query_tokens: int = 32
+    host_mib: int = 0  # 0 = sized for the whole context
+    method: str = "retrieval"  # or "recency"
+    trace: bool = False
+
+    def apply(self, cparams) -> None:
+        if self.method not in KVMEM_METHODS:
+            raise KvmemError(f"unknown kvmem method {self.method!r}", hint="use retrieval or recency")
+        cparams.kvmem_budget = self.budget
+        cparams.kvmem_block = self.block
+        cparams.kvmem_sink = self.sink
+        cparams.kvmem_recent = self.recent
+        cparams.kvmem_gen_reserve = self.gen_reserve
+        cparams.kvmem_query_tokens = self.query_tokens
+        cparams.kvmem_host_mib = self.host_mib
+        cparams.kvmem_method = KVMEM_METHODS[self.method]
+        cparams.kvmem_trace = self.trace
+
+
+@dataclass(frozen=True)
+class KvmemStats:
+    """llama_kvmem_get_stats: the tiering state of a context."""
+
+    enabled: bool
+    budget: int
+    block_tokens: int
+    blocks_gpu: int
+    blocks_host: int
+    host_bytes: int
+    host_capacity_bytes: int
+    selections: int
+    staged_in: int
+    staged_out: int
+    evicted: int
+    last_select_ms: float
+
+
 @dataclass
 class Completion:
     text: str
@@ -93,7 +142,8 @@ class Llama:
     @classmethod
     def load(cls, model_path: str | Path, *, n_ctx: int = 4096, n_batch: int = 2048,
              n_threads: int | None = None, n_gpu_layers: int = 0, libllama: Path | str | None = None,
-             context_overrides: Callable[[object], None] | None = None) -> Llama:
+             context_overrides: Callable[[object], None] | None = None,
+             kvmem: KvmemConfig | None = None) -> Llama:
         lib = load_library(libllama)
         path = Path(model_path)
         if not path.is_file():
@@ -111,6 +161,8 @@ class Llama:
         threads = n_threads or max(1, os.cpu_count() or 1)
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
+        if kvmem is not None:
+            kvmem.apply(cparams)
         if context_overrides:
             context_overrides(cparams)
         ctx = lib.llama_init_from_model(model, cparams)
@@ -196,6 +248,26 @@ class Llama:
             n = self._lib.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, special)
         return ffi.buffer(buf, n)[:].decode("utf-8", errors="replace")
 
+    # --- KV tiering ---
+    def kvmem_stats(self, seq_id: int | None = None) -> KvmemStats:
+        """Tiering counters (llama_kvmem_get_stats); enabled=False when tiering is off."""
+        st = ffi.new("struct llama_kvmem_stats *")
+        if seq_id is None:
+            rc = self._lib.llama_kvmem_get_stats(self._ctx, st)
+        else:
+            rc = self._lib.llama_kvmem_get_seq_stats(self._ctx, seq_id, st)
+        if rc < 0:
+            raise KvmemError("llama_kvmem_get_stats failed")
+        return KvmemStats(
+            enabled=rc == 0, budget=st.budget, block_tokens=st.block_tokens, blocks_gpu=st.n_blocks_gpu,
+            blocks_host=st.n_blocks_host, host_bytes=st.host_bytes, host_capacity_bytes=st.host_capacity_bytes,
+            selections=st.n_selections, staged_in=st.n_staged_in, staged_out=st.n_staged_out,
+            evicted=st.n_evicted, last_select_ms=st.last_select_ms,
+        )
+
+    def kvmem_last_error(self) -> str:
+        return ffi.string(self._lib.llama_kvmem_last_error(self._ctx)).decode("utf-8", errors="replace")
+
     # --- evaluation ---
     def reset(self) -> None:
         """Forget everything in the context's memory (KV cache)."""
@@ -210,6 +282,9 @@ class Llama:
             if rc != 0:
                 tail = "".join(recent_log(6)).strip()
                 reason = {1: "no free KV slot (context full)", 2: "aborted"}.get(rc, f"error {rc}")
+                kv_err = self.kvmem_last_error()
+                if kv_err:
+                    reason = kv_err
                 raise KvmemError(f"llama_decode failed: {reason}\n{tail}")
 
     def _sampler(self, temperature: float, top_k: int, top_p: float, seed: int):

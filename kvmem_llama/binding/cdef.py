@@ -85,6 +85,30 @@ struct llama_context_params {
     void * samplers;
     size_t n_samplers;
     struct llama_context * ctx_other;
+    int32_t kvmem_budget;
+    int32_t kvmem_block;
+    int32_t kvmem_sink;
+    int32_t kvmem_recent;
+    int32_t kvmem_gen_reserve;
+    int32_t kvmem_query_tokens;
+    int32_t kvmem_host_mib;
+    int32_t kvmem_method;
+    bool kvmem_trace;
+};
+
+struct llama_kvmem_stats {
+    int32_t enabled;
+    int32_t budget;
+    int32_t block_tokens;
+    int32_t n_blocks_gpu;
+    int32_t n_blocks_host;
+    int64_t host_bytes;
+    int64_t host_capacity_bytes;
+    int64_t n_selections;
+    int64_t n_staged_in;
+    int64_t n_staged_out;
+    int64_t n_evicted;
+    double last_select_ms;
 };
 
 typedef struct llama_batch {
@@ -163,6 +187,11 @@ llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_conte
 void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 void llama_sampler_free(struct llama_sampler * smpl);
 
+int32_t llama_kvmem_get_stats(const struct llama_context * ctx, struct llama_kvmem_stats * stats);
+int32_t llama_kvmem_get_seq_stats(const struct llama_context * ctx, llama_seq_id seq_id,
+                                  struct llama_kvmem_stats * stats);
+const char * llama_kvmem_last_error(const struct llama_context * ctx);
+
 struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
 void llama_perf_context_reset(struct llama_context * ctx);
 """
@@ -174,4 +203,5 @@ STRUCTS = (
     "struct llama_batch",
     "struct llama_sampler_chain_params",
     "struct llama_perf_context_data",
+    "struct llama_kvmem_stats",
 )

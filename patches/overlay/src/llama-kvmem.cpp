@@ -1,0 +1,1061 @@
+// KVMem: KV tiering for the attention KV cache (kvmem-llama). See llama-kvmem.h.
+
+#include "llama-kvmem.h"
+
+#include "llama-impl.h"
+#include "llama-batch.h"
+#include "llama-cparams.h"
+#include "llama-graph.h"
+#include "llama-model.h"
+#include "llama-context.h"
+
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <set>
+#include <stdexcept>
+
+static uint32_t div_up(uint32_t a, uint32_t b) { return (a + b - 1)/b; }
+
+//
+// graph hook
+//
+
+// walk back from the tensor handed to the attention builder to the input of its RoPE op
+static ggml_tensor * kvmem_pre_rope(ggml_tensor * t) {
+    ggml_tensor * cur = t;
+    for (int i = 0; i < 6 && cur; ++i) {
+        if (cur->op == GGML_OP_ROPE) {
+            return cur->src[0];
+        }
+        if (cur->op == GGML_OP_SCALE || cur->op == GGML_OP_CONT || cur->op == GGML_OP_RESHAPE ||
+            cur->op == GGML_OP_VIEW  || cur->op == GGML_OP_CPY) {
+            cur = cur->src[0];
+            continue;
+        }
+        break;
+    }
+    return t; // no RoPE found (e.g. NoPE layers): the tensor itself is position-free
+}
+
+static ggml_tensor * kvmem_f32_cont(ggml_context * ctx0, ggml_tensor * t) {
+    ggml_tensor * r = t->type == GGML_TYPE_F32 ? ggml_cont(ctx0, t) : ggml_cast(ctx0, ggml_cont(ctx0, t), GGML_TYPE_F32);
+    return r;
+}
+
+void llama_kvmem_graph_capture(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_result * res,
+        ggml_tensor * q_cur, ggml_tensor * k_cur, int il, uint32_t n_q) {
+    if (!res || il < 0) {
+        return;
+    }
+    ggml_tensor * k_pre = kvmem_pre_rope(k_cur);
+    ggml_tensor * q_pre = kvmem_pre_rope(q_cur);
+    if (ggml_n_dims(k_pre) > 3 || ggml_n_dims(q_pre) > 3 || k_pre->ne[0] != q_pre->ne[0]) {
+        return;
+    }
+    const int64_t n_tokens = q_pre->ne[2];
+    const int64_t nq = std::min<int64_t>(std::max<uint32_t>(n_q, 1), n_tokens);
+
+    ggml_tensor * k_out = kvmem_f32_cont(ctx0, k_pre);
+    ggml_tensor * q_tail = ggml_view_3d(ctx0, q_pre, q_pre->ne[0], q_pre->ne[1], nq,
+            q_pre->nb[1], q_pre->nb[2], (n_tokens - nq)*q_pre->nb[2]);
+    ggml_tensor * q_out = kvmem_f32_cont(ctx0, q_tail);
+
+    ggml_format_name(k_out, "kvmem_k-%d", il);
+    ggml_format_name(q_out, "kvmem_q-%d", il);
+    ggml_set_output(k_out);
+    ggml_set_output(q_out);
+    ggml_build_forward_expand(gf, k_out);
+    ggml_build_forward_expand(gf, q_out);
+
+    if ((int) res->t_kvmem_k.size() <= il) {
+        res->t_kvmem_k.resize(il + 1, nullptr);
+        res->t_kvmem_q.resize(il + 1, nullptr);
+    }
+    res->t_kvmem_k[il] = k_out;
+    res->t_kvmem_q[il] = q_out;
+}
+
+//
+// the tiered cache
+//
+
+std::string llama_kvmem_cache::check(const llama_model & model, const llama_cparams & cparams, const llama_kvmem_params & kp) {
+    const auto & hp = model.hparams;
+    if (!cparams.flash_attn) {
+        return "flash attention is off (-fa off); tiering copies per-token V rows and needs -fa on or auto";
+    }
+    if (!cparams.kv_unified && cparams.n_seq_max > 1) {
+        return "parallel sequences need a unified KV cache (--kv-unified)";
+    }
+    if (hp.n_pos_per_embd() > 1) {
+        return "M-RoPE models are not tiered yet";
+    }
+    uint32_t n_attn = 0;
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        if (!hp.has_kv(il)) {
+            continue;
+        }
+        n_attn++;
+        if (hp.n_head_kv(il) != hp.n_head_kv(0) || hp.n_head(il) != hp.n_head(0) ||
+            hp.n_embd_head_k(il) != hp.n_embd_head_k(0) || hp.n_head_kv(il) == 0) {
+            return "layers with different head layouts are not tiered yet";
+        }
+    }
+    if (n_attn == 0) {
+        return "the model has no attention layers";
+    }
+    if (cparams.n_ctx <= kp.budget) {
+        // still tiered (write-through + selection run, nothing is ever evicted): lets us test identity
+    }
+    return "";
+}
+
+llama_kvmem_cache * llama_kvmem_cache::from(llama_memory_i * mem) {
+    return mem ? dynamic_cast<llama_kvmem_cache *>(mem) : nullptr;
+}
+
+llama_kvmem_cache::llama_kvmem_cache(
+        const llama_model & model,
+        ggml_type type_k,
+        ggml_type type_v,
+        bool offload,
+        uint32_t n_seq_max,
+        uint32_t n_ctx_total,
+        const llama_kvmem_params & kp_in,
+        const layer_filter_cb & filter) :
+    llama_kv_cache(model, model.hparams, type_k, type_v, /*v_trans*/ false, offload, /*unified*/ true,
+            kp_in.budget + kp_in.gen_reserve, n_seq_max, 1, 0, LLAMA_SWA_TYPE_NONE, nullptr, filter, nullptr, nullptr, "kvmem"),
+    kp(kp_in) {
+    const auto & hp = model.hparams;
+    const uint32_t B = kp.block;
+
+    sink_blocks   = div_up(kp.sink, B);
+    recent_blocks = div_up(kp.recent, B);
+    budget_blocks = kp.budget / B;
+
+    n_lt = layers.size();
+    il_to_lt.assign(hp.n_layer() + hp.n_layer_nextn + 1, -1);
+    for (uint32_t i = 0; i < n_lt; ++i) {
+        if (layers[i].il < il_to_lt.size()) {
+            il_to_lt[layers[i].il] = i;
+        }
+        row_k.push_back(layers[i].k->nb[1]);
+        row_v.push_back(layers[i].v ? layers[i].v->nb[1] : 0);
+        block_bytes += (size_t) B*(row_k.back() + row_v.back());
+    }
+    const uint32_t il0 = n_lt ? layers[0].il : 0;
+    n_head    = hp.n_head(il0);
+    n_head_kv = hp.n_head_kv(il0);
+    head_dim  = hp.n_embd_head_k(il0);
+
+    // host pool: the device's host buffer type (pinned on CUDA), plain CPU memory otherwise
+    ggml_backend_buffer_type_t buft = nullptr;
+    if (n_lt && layers[0].k->buffer) {
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(layers[0].k->buffer));
+        if (dev) {
+            buft = ggml_backend_dev_host_buffer_type(dev);
+        }
+    }
+    if (!buft) {
+        buft = ggml_backend_cpu_buffer_type();
+    }
+
+    if (kp.host_mib > 0) {
+        host_slots = (uint32_t) (((size_t) kp.host_mib*1024*1024)/block_bytes);
+        if (host_slots == 0) {
+            throw std::runtime_error(format("--kvmem-host-mib %u is too small: one block of %u tokens needs %.2f MiB",
+                        kp.host_mib, B, block_bytes/1024.0/1024.0));
+        }
+    } else {
+        host_slots = div_up(n_ctx_total, B) + 1;
+    }
+    host_buf = ggml_backend_buft_alloc_buffer(buft, (size_t) host_slots*block_bytes);
+    if (!host_buf) {
+        throw std::runtime_error(format("kvmem: failed to allocate the host KV pool (%.1f MiB in %s); lower --kvmem-host-mib or the context",
+                    (double) host_slots*block_bytes/1024.0/1024.0, ggml_backend_buft_name(buft)));
+    }
+    host_base = (uint8_t *) ggml_backend_buffer_get_base(host_buf);
+    free_slots.reserve(host_slots);
+    for (uint32_t i = 0; i < host_slots; ++i) {
+        free_slots.push_back(host_slots - 1 - i);
+    }
+
+    const double host_mib = (double) host_slots*block_bytes/1024.0/1024.0;
+    LLAMA_LOG_WARN("kvmem_score: ARMED blocks=%u block_tokens=%u layers=%u kv_heads=%u head_dim=%u budget_blocks=%u host_mib=%.0f\n",
+            host_slots, B, n_lt, n_head_kv, head_dim, budget_blocks, std::ceil(host_mib));
+    LLAMA_LOG_INFO("%s: GPU working set %u cells (budget %u + gen reserve %u), sink %u block(s), recent %u block(s), method %s, host pool %s\n",
+            __func__, kp.budget + kp.gen_reserve, kp.budget, kp.gen_reserve, sink_blocks, recent_blocks,
+            kp.method == LLAMA_KVMEM_METHOD_RECENCY ? "recency" : "retrieval", ggml_backend_buft_name(buft));
+}
+
+llama_kvmem_cache::~llama_kvmem_cache() {
+    if (host_buf) {
+        ggml_backend_buffer_free(host_buf);
+    }
+}
+
+// a context that places each ubatch only when it is applied, evicting blocks to make room
+class llama_kvmem_context : public llama_kv_cache_context {
+public:
+    // note: the slot infos are sized by the caller (argument evaluation order is unspecified)
+    llama_kvmem_context(llama_kvmem_cache * km, slot_info_vec_t sinfos, std::vector<llama_ubatch> ubs) :
+        llama_kv_cache_context(km, std::move(sinfos), std::move(ubs)), km(km) {}
+
+    bool apply() override {
+        if (!ubatches.empty() && !km->prepare_ubatch(ubatches[i_cur], sinfos[i_cur])) {
+            return false;
+        }
+        return llama_kv_cache_context::apply();
+    }
+
+private:
+    llama_kvmem_cache * km;
+};
+
+llama_memory_context_ptr llama_kvmem_cache::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {
+    GGML_UNUSED(embd_all);
+
+    // a ubatch must fit next to the sink and one block of history
+    const uint32_t size = get_size();
+    const uint32_t keep = (sink_blocks + 1)*kp.block;
+    const uint32_t n_ub = std::max<uint32_t>(1, std::min<uint32_t>(n_ubatch, size > keep ? size - keep : 1));
+
+    balloc.split_reset();
+    std::vector<llama_ubatch> ubatches;
+    while (true) {
+        auto ubatch = balloc.split_simple(n_ub);
+        if (ubatch.n_tokens == 0) {
+            break;
+        }
+        ubatches.push_back(std::move(ubatch)); // NOLINT
+    }
+    if (balloc.get_n_used() < balloc.get_n_tokens()) {
+        return std::make_unique<llama_kv_cache_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+    }
+    slot_info_vec_t sinfos(ubatches.size());
+    return std::make_unique<llama_kvmem_context>(this, std::move(sinfos), std::move(ubatches));
+}
+
+uint32_t llama_kvmem_cache::n_resident_blocks() const {
+    uint32_t n = 0;
+    for (const auto & [s, st] : seqs) {
+        for (const auto & [b, hb] : st.blocks) {
+            n += hb.resident ? 1 : 0;
+        }
+    }
+    return n;
+}
+
+uint32_t llama_kvmem_cache::n_host_blocks() const {
+    return host_slots - (uint32_t) free_slots.size();
+}
+
+void llama_kvmem_cache::drop_host_blocks(llama_seq_id seq_id, int32_t b0) {
+    auto it = seqs.find(seq_id);
+    if (it == seqs.end()) {
+        return;
+    }
+    auto & st = it->second;
+    for (auto bit = st.blocks.lower_bound(b0); bit != st.blocks.end(); ) {
+        free_slots.push_back(bit->second.slot);
+        bit = st.blocks.erase(bit);
+    }
+    st.next_host = std::min(st.next_host, b0);
+}
+
+void llama_kvmem_cache::clear(bool data) {
+    llama_kv_cache::clear(data);
+    for (auto & [s, st] : seqs) {
+        for (auto & [b, hb] : st.blocks) {
+            free_slots.push_back(hb.slot);
+        }
+    }
+    seqs.clear();
+    publish();
+}
+
+bool llama_kvmem_cache::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    const bool ok = seq_rm_impl(seq_id, p0, p1);
+    publish();
+    return ok;
+}
+
+bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    if (p0 < 0) {
+        p0 = 0;
+    }
+    if (p1 < 0) {
+        p1 = std::numeric_limits<llama_pos>::max();
+    }
+    const int32_t B = kp.block;
+
+    if (seq_id < 0) {
+        std::vector<llama_seq_id> ids;
+        for (auto & [s, st] : seqs) {
+            ids.push_back(s);
+        }
+        bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1);
+        for (auto s : ids) {
+            if (p0 == 0 && p1 == std::numeric_limits<llama_pos>::max()) {
+                drop_host_blocks(s, 0);
+                seqs.erase(s);
+            } else {
+                drop_host_blocks(s, p0/B);
+            }
+        }
+        return ok;
+    }
+
+    auto it = seqs.find(seq_id);
+    if (it == seqs.end()) {
+        return llama_kv_cache::seq_rm(seq_id, p0, p1);
+    }
+    auto & st = it->second;
+
+    if (p0 == 0 && p1 == std::numeric_limits<llama_pos>::max()) {
+        const bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1);
+        drop_host_blocks(seq_id, 0);
+        seqs.erase(it);
+        return ok;
+    }
+
+    if (p1 != std::numeric_limits<llama_pos>::max()) {
+        // a hole in the middle (not produced by the server with shifting off): drop the touched host blocks
+        const bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1);
+        for (int32_t b = p0/B; b <= (p1 - 1)/B; ++b) {
+            auto bit = st.blocks.find(b);
+            if (bit != st.blocks.end()) {
+                free_slots.push_back(bit->second.slot);
+                st.blocks.erase(bit);
+            }
+        }
+        return ok;
+    }
+
+    // truncation [p0, inf): the last kept position p0-1 must be in the working set, so that the
+    // next batch (starting at p0) is consistent with seq_pos_max
+    if (p0 > 0) {
+        const int32_t bl = (p0 - 1)/B;
+        auto bit = st.blocks.find(bl);
+        if (bit != st.blocks.end() && !bit->second.resident) {
+            bool staged = stage_in(seq_id, bl, bit->second);
+            while (!staged && evict_one(seq_id)) {
+                staged = stage_in(seq_id, bl, bit->second);
+            }
+            if (!staged) {
+                LLAMA_LOG_WARN("%s: kvmem: could not bring back block %d of seq %d\n", __func__, bl, seq_id);
+            }
+        }
+    }
+    const bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1);
+    drop_host_blocks(seq_id, p0/B);
+    if (!in_redecode) {
+        // the summary of the cut block only covers the kept tokens from now on
+        for (auto kit = st.ksum.lower_bound(p0/B); kit != st.ksum.end(); ) {
+            kit = st.ksum.erase(kit);
+        }
+    }
+    return ok;
+}
+
+void llama_kvmem_cache::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) {
+    // only the working set is shared; the host pool stays per sequence
+    llama_kv_cache::seq_cp(seq_id_src, seq_id_dst, p0, p1);
+}
+
+void llama_kvmem_cache::seq_keep(llama_seq_id seq_id) {
+    llama_kv_cache::seq_keep(seq_id);
+    for (auto it = seqs.begin(); it != seqs.end(); ) {
+        if (it->first != seq_id) {
+            drop_host_blocks(it->first, 0);
+            it = seqs.erase(it);
+        } else {
+            ++it;
+        }
+    }
+    publish();
+}
+
+void llama_kvmem_cache::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
+    // a restored state is only the working set that was saved; host blocks of the sequence are forgotten
+    if (seq_id < 0) {
+        for (auto & [s, st] : seqs) {
+            drop_host_blocks(s, 0);
+        }
+        seqs.clear();
+    } else {
+        drop_host_blocks(seq_id, 0);
+        seqs.erase(seq_id);
+    }
+    llama_kv_cache::state_read(io, seq_id, flags);
+    publish();
+}
+
+void llama_kvmem_cache::evict_block(llama_seq_id seq_id, int32_t b, hblock & hb) {
+    const int32_t B = kp.block;
+    llama_kv_cache::seq_rm(seq_id, b*B, (b + 1)*B);
+    hb.resident = false;
+    hb.pinned   = false;
+}
+
+bool llama_kvmem_cache::evict_one(llama_seq_id prefer_seq) {
+    GGML_UNUSED(prefer_seq);
+    llama_seq_id best_s = -1;
+    int32_t best_b = -1;
+    bool best_pinned = true;
+    for (auto & [s, st] : seqs) {
+        for (auto & [b, hb] : st.blocks) {
+            if (!hb.resident || (uint32_t) b < sink_blocks) {
+                continue;
+            }
+            // unpinned before pinned, oldest first
+            if (best_b < 0 || (!hb.pinned && best_pinned) || (hb.pinned == best_pinned && b < best_b)) {
+                best_s = s;
+                best_b = b;
+                best_pinned = hb.pinned;
+            }
+        }
+    }
+    if (best_b < 0) {
+        return false;
+    }
+    evict_block(best_s, best_b, seqs[best_s].blocks[best_b]);
+    n_evicted++;
+    if (kp.trace) {
+        LLAMA_LOG_INFO("kvmem_trace: evict seq=%d block=%d pinned=%d\n", best_s, best_b, best_pinned ? 1 : 0);
+    }
+    return true;
+}
+
+bool llama_kvmem_cache::prepare_ubatch(const llama_ubatch & ubatch, slot_info & sinfo) {
+    const int32_t B = kp.block;
+
+    // the host pool must take every block this ubatch completes (write-through)
+    {
+        std::map<llama_seq_id, llama_pos> pmax;
+        for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+            const llama_seq_id s = ubatch.seq_id[i][0];
+            auto it = pmax.find(s);
+            pmax[s] = it == pmax.end() ? ubatch.pos[i] : std::max(it->second, ubatch.pos[i]);
+        }
+        uint32_t need = 0;
+        for (auto & [s, p] : pmax) {
+            auto it = seqs.find(s);
+            const int32_t next = it == seqs.end() ? 0 : it->second.next_host;
+            const int32_t done = (p + 1)/B;
+            if (done > next) {
+                need += done - next;
+            }
+        }
+        if (need > free_slots.size()) {
+            const std::string msg = format("KV tiering host pool is full (%u blocks of %u tokens, %.1f MiB): this request needs more; "
+                    "raise --kvmem-host-mib (or lower the context)", host_slots, kp.block,
+                    (double) host_slots*block_bytes/1024.0/1024.0);
+            LLAMA_LOG_ERROR("%s: %s\n", __func__, msg.c_str());
+            set_last_error(msg);
+            return false;
+        }
+    }
+
+    for (;;) {
+        sinfo = find_slot(ubatch, false);
+        if (!sinfo.empty()) {
+            return true;
+        }
+        if (!evict_one(ubatch.seq_id[0][0])) {
+            const std::string msg = format("KV tiering: no room for a ubatch of %u tokens in the GPU working set of %u cells "
+                    "(raise --kvmem-budget or --kvmem-gen-reserve)", ubatch.n_tokens, get_size());
+            LLAMA_LOG_ERROR("%s: %s\n", __func__, msg.c_str());
+            set_last_error(msg);
+            return false;
+        }
+    }
+}
+
+void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
+    const int32_t B = kp.block;
+    auto & cells = v_cells[0];
+    const llama_pos pmax = cells.seq_pos_max(seq_id);
+    if (pmax < 0) {
+        return;
+    }
+    auto & st = seqs[seq_id];
+    const int32_t done = (pmax + 1)/B;
+    const auto & sp = cells.seq_pos_get(seq_id);
+
+    std::vector<uint32_t> idx;
+    for (int32_t b = st.next_host; b < done; ++b) {
+        if (st.blocks.count(b)) {
+            continue;
+        }
+        idx.clear();
+        for (auto it = sp.lower_bound({ b*B, 0 }); it != sp.end() && it->first < (b + 1)*B; ++it) {
+            idx.push_back(it->second);
+        }
+        if ((int32_t) idx.size() != B) {
+            continue; // not a whole block in the working set (e.g. after a restore): stays GPU-only
+        }
+        if (free_slots.empty()) {
+            if (!host_full_logged) {
+                LLAMA_LOG_ERROR("%s: kvmem host pool is full; raise --kvmem-host-mib\n", __func__);
+                host_full_logged = true;
+            }
+            break;
+        }
+        hblock hb;
+        hb.slot = free_slots.back();
+        free_slots.pop_back();
+        hb.resident = true;
+        hb.ext.resize(B);
+        for (int32_t t = 0; t < B; ++t) {
+            hb.ext[t] = cells.ext_get(idx[t]);
+        }
+        uint8_t * dst = slot_ptr(hb.slot);
+        for (uint32_t lt = 0; lt < n_lt; ++lt) {
+            uint8_t * dk = dst;
+            uint8_t * dv = dst + (size_t) B*row_k[lt];
+            for (int32_t t = 0; t < B; ) {
+                int32_t r = 1;
+                while (t + r < B && idx[t + r] == idx[t] + r) {
+                    r++;
+                }
+                ggml_backend_tensor_get(layers[lt].k, dk + (size_t) t*row_k[lt], (size_t) idx[t]*row_k[lt], (size_t) r*row_k[lt]);
+                if (layers[lt].v) {
+                    ggml_backend_tensor_get(layers[lt].v, dv + (size_t) t*row_v[lt], (size_t) idx[t]*row_v[lt], (size_t) r*row_v[lt]);
+                }
+                t += r;
+            }
+            dst += (size_t) B*(row_k[lt] + row_v[lt]);
+        }
+        st.blocks.emplace(b, std::move(hb));
+    }
+    st.next_host = std::max(st.next_host, done);
+}
+
+bool llama_kvmem_cache::stage_in(llama_seq_id seq_id, int32_t b, hblock & hb) {
+    const int32_t B = kp.block;
+    auto & cells = v_cells[0];
+
+    std::vector<uint32_t> idx;
+    idx.reserve(B);
+    for (uint32_t i = 0; i < cells.size() && (int32_t) idx.size() < B; ++i) {
+        if (cells.is_empty(i)) {
+            idx.push_back(i);
+        }
+    }
+    if ((int32_t) idx.size() < B) {
+        return false;
+    }
+
+    const uint8_t * src = slot_ptr(hb.slot);
+    for (uint32_t lt = 0; lt < n_lt; ++lt) {
+        const uint8_t * sk = src;
+        const uint8_t * sv = src + (size_t) B*row_k[lt];
+        for (int32_t t = 0; t < B; ) {
+            int32_t r = 1;
+            while (t + r < B && idx[t + r] == idx[t] + r) {
+                r++;
+            }
+            ggml_backend_tensor_set(layers[lt].k, sk + (size_t) t*row_k[lt], (size_t) idx[t]*row_k[lt], (size_t) r*row_k[lt]);
+            if (layers[lt].v) {
+                ggml_backend_tensor_set(layers[lt].v, sv + (size_t) t*row_v[lt], (size_t) idx[t]*row_v[lt], (size_t) r*row_v[lt]);
+            }
+            t += r;
+        }
+        src += (size_t) B*(row_k[lt] + row_v[lt]);
+    }
+    for (int32_t t = 0; t < B; ++t) {
+        cells.pos_set(idx[t], b*B + t);
+        cells.ext_set(idx[t], hb.ext[t]);
+        cells.seq_add(idx[t], seq_id);
+    }
+    hb.resident = true;
+    return true;
+}
+
+void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph_result * res, const llama_ubatch & ubatch) {
+    if (!res) {
+        return;
+    }
+    ggml_backend_sched_synchronize(sched);
+
+    const uint32_t nt = ubatch.n_tokens;
+    const int32_t  B  = kp.block;
+    const size_t per_k = (size_t) n_head_kv*head_dim;
+    const size_t per_q = (size_t) n_head*head_dim;
+
+    std::vector<float> buf;
+
+    // block key sums (pre-RoPE); a recomputed tail is already counted
+    if (!in_redecode) {
+        for (uint32_t lt = 0; lt < n_lt; ++lt) {
+            const uint32_t il = layers[lt].il;
+            ggml_tensor * t = il < res->t_kvmem_k.size() ? res->t_kvmem_k[il] : nullptr;
+            if (!t || (size_t) ggml_nelements(t) != per_k*nt) {
+                continue;
+            }
+            buf.resize(ggml_nelements(t));
+            ggml_backend_tensor_get(t, buf.data(), 0, ggml_nbytes(t));
+            for (uint32_t i = 0; i < nt; ++i) {
+                const llama_seq_id s = ubatch.seq_id[i][0];
+                auto & ks = seqs[s].ksum[ubatch.pos[i]/B];
+                if (ks.empty()) {
+                    ks.assign((size_t) n_lt*per_k, 0.0f);
+                }
+                float * dst = ks.data() + lt*per_k;
+                const float * src = buf.data() + i*per_k;
+                for (size_t d = 0; d < per_k; ++d) {
+                    dst[d] += src[d];
+                }
+            }
+        }
+    }
+
+    // query rows: the last tokens of this ubatch
+    if (kp.method == LLAMA_KVMEM_METHOD_RETRIEVAL && n_lt > 0) {
+        const uint32_t il0 = layers[0].il;
+        ggml_tensor * t0 = il0 < res->t_kvmem_q.size() ? res->t_kvmem_q[il0] : nullptr;
+        if (t0 && (size_t) (t0->ne[0]*t0->ne[1]) == per_q) {
+            const uint32_t nq = t0->ne[2];
+            std::vector<std::vector<float>> rows(nq, std::vector<float>((size_t) n_lt*per_q, 0.0f));
+            for (uint32_t lt = 0; lt < n_lt; ++lt) {
+                const uint32_t il = layers[lt].il;
+                ggml_tensor * t = il < res->t_kvmem_q.size() ? res->t_kvmem_q[il] : nullptr;
+                if (!t || (size_t) ggml_nelements(t) != per_q*nq) {
+                    continue;
+                }
+                buf.resize(ggml_nelements(t));
+                ggml_backend_tensor_get(t, buf.data(), 0, ggml_nbytes(t));
+                for (uint32_t j = 0; j < nq; ++j) {
+                    std::memcpy(rows[j].data() + lt*per_q, buf.data() + j*per_q, per_q*sizeof(float));
+                }
+            }
+            for (uint32_t j = 0; j < nq && nq <= nt; ++j) {
+                const uint32_t i = nt - nq + j;
+                auto & q = seqs[ubatch.seq_id[i][0]].q;
+                q.push_back(std::move(rows[j]));
+                while (q.size() > std::max<uint32_t>(kp.query_tokens, 1)) {
+                    q.pop_front();
+                }
+            }
+        }
+    }
+
+    // write-through of the blocks this ubatch completed
+    for (uint32_t s = 0; s < ubatch.n_seqs_unq; ++s) {
+        write_through(ubatch.seq_id_unq[s]);
+    }
+    publish();
+}
+
+bool llama_kvmem_cache::select(llama_seq_id seq_id) {
+    auto it = seqs.find(seq_id);
+    if (it == seqs.end() || it->second.blocks.empty()) {
+        return false;
+    }
+    const int64_t t_start = ggml_time_us();
+    auto & st = it->second;
+    const size_t per_k = (size_t) n_head_kv*head_dim;
+    const size_t per_q = (size_t) n_head*head_dim;
+    const uint32_t group = n_head/n_head_kv;
+
+    const int32_t n_blocks = st.blocks.rbegin()->first + 1;
+    // one block of the budget is kept for the partial tail
+    const uint32_t avail = budget_blocks > 1 ? budget_blocks - 1 : 1;
+
+    std::set<int32_t> target;
+    uint32_t n_sink = 0, n_recent = 0, n_scored = 0;
+    for (auto & [b, hb] : st.blocks) {
+        if ((uint32_t) b < sink_blocks && target.size() < avail) {
+            target.insert(b);
+            n_sink++;
+        }
+    }
+    for (auto bit = st.blocks.rbegin(); bit != st.blocks.rend() && n_recent < recent_blocks && target.size() < avail; ++bit) {
+        if (target.insert(bit->first).second) {
+            n_recent++;
+        }
+    }
+
+    std::vector<std::pair<float, int32_t>> ranked;
+    uint32_t query_tokens = 0;
+    if (kp.method == LLAMA_KVMEM_METHOD_RETRIEVAL && !st.q.empty()) {
+        // query: mean pre-RoPE Q over the last tokens, grouped to KV heads, normalized per (layer, head)
+        query_tokens = st.q.size();
+        std::vector<float> q((size_t) n_lt*per_k, 0.0f);
+        for (const auto & row : st.q) {
+            for (uint32_t lt = 0; lt < n_lt; ++lt) {
+                for (uint32_t h = 0; h < n_head; ++h) {
+                    const float * src = row.data() + lt*per_q + (size_t) h*head_dim;
+                    float * dst = q.data() + lt*per_k + (size_t) (h/group)*head_dim;
+                    for (uint32_t d = 0; d < head_dim; ++d) {
+                        dst[d] += src[d];
+                    }
+                }
+            }
+        }
+        for (size_t o = 0; o < q.size(); o += head_dim) {
+            double n2 = 0.0;
+            for (uint32_t d = 0; d < head_dim; ++d) {
+                n2 += (double) q[o + d]*q[o + d];
+            }
+            const float inv = n2 > 0.0 ? (float) (1.0/std::sqrt(n2)) : 0.0f;
+            for (uint32_t d = 0; d < head_dim; ++d) {
+                q[o + d] *= inv;
+            }
+        }
+        // keys share a large common direction per (layer, head); center the block means on the
+        // mean over all blocks of the sequence so the cosine sees what makes a block different
+        std::vector<double> mu((size_t) n_lt*per_k, 0.0);
+        uint32_t n_mu = 0;
+        for (auto & [b, hb] : st.blocks) {
+            auto kit = st.ksum.find(b);
+            if (kit == st.ksum.end()) {
+                continue;
+            }
+            for (size_t i = 0; i < mu.size(); ++i) {
+                mu[i] += kit->second[i];
+            }
+            n_mu++;
+        }
+        for (auto & m : mu) {
+            m /= std::max<uint32_t>(n_mu, 1);
+        }
+        // per (layer, head) cosine of the query with each candidate's centered mean key; heads differ in
+        // scale and offset, so each head's scores are z-normalized across the candidates before averaging
+        const size_t n_lh = (size_t) n_lt*n_head_kv;
+        std::vector<int32_t> cand;
+        std::vector<float> cs; // [cand][n_lh]
+        for (auto & [b, hb] : st.blocks) {
+            if (target.count(b) || !st.ksum.count(b)) {
+                continue;
+            }
+            const auto & ks = st.ksum.at(b);
+            cand.push_back(b);
+            for (size_t o = 0; o < ks.size(); o += head_dim) {
+                double dot = 0.0, n2 = 0.0;
+                for (uint32_t d = 0; d < head_dim; ++d) {
+                    const double kc = (double) ks[o + d] - mu[o + d];
+                    dot += (double) q[o + d]*kc;
+                    n2  += kc*kc;
+                }
+                cs.push_back(n2 > 0.0 ? (float) (dot/std::sqrt(n2)) : 0.0f);
+            }
+        }
+        const size_t nc = cand.size();
+        std::vector<double> score(nc, 0.0);
+        for (size_t j = 0; j < n_lh && nc > 1; ++j) {
+            double m = 0.0, v = 0.0;
+            for (size_t c = 0; c < nc; ++c) {
+                m += cs[c*n_lh + j];
+            }
+            m /= nc;
+            for (size_t c = 0; c < nc; ++c) {
+                const double x = cs[c*n_lh + j] - m;
+                v += x*x;
+            }
+            const double sd = std::sqrt(v/nc) + 1e-6;
+            for (size_t c = 0; c < nc; ++c) {
+                score[c] += (cs[c*n_lh + j] - m)/sd;
+            }
+        }
+        for (size_t c = 0; c < nc; ++c) {
+            ranked.push_back({ (float) (score[c]/(double) n_lh), cand[c] });
+        }
+        std::sort(ranked.begin(), ranked.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
+    } else {
+        // recency: extend the recent window
+        for (auto bit = st.blocks.rbegin(); bit != st.blocks.rend(); ++bit) {
+            if (!target.count(bit->first)) {
+                ranked.push_back({ 0.0f, bit->first });
+            }
+        }
+    }
+    std::set<int32_t> picked;
+    for (auto & [score, b] : ranked) {
+        if (target.size() >= avail) {
+            break;
+        }
+        target.insert(b);
+        picked.insert(b);
+        if (kp.method == LLAMA_KVMEM_METHOD_RETRIEVAL) {
+            n_scored++;
+        }
+        if (kp.trace) {
+            LLAMA_LOG_INFO("kvmem_trace: pick seq=%d block=%d score=%.4f\n", seq_id, b, score);
+        }
+    }
+
+    // plan as a diff: resident blocks in the target stay, others leave, missing ones come in
+    uint32_t staged_in = 0, staged_out = 0, reused = 0;
+    for (auto & [b, hb] : st.blocks) {
+        if (hb.resident && !target.count(b)) {
+            evict_block(seq_id, b, hb);
+            staged_out++;
+        }
+    }
+    for (auto & [b, hb] : st.blocks) {
+        if (!target.count(b)) {
+            continue;
+        }
+        hb.pinned = picked.count(b) > 0;
+        if (hb.resident) {
+            reused++;
+            continue;
+        }
+        bool ok = stage_in(seq_id, b, hb);
+        while (!ok && evict_one(seq_id)) {
+            ok = stage_in(seq_id, b, hb);
+        }
+        if (!ok) {
+            LLAMA_LOG_WARN("%s: kvmem: no free cells to stage in block %d of seq %d\n", __func__, b, seq_id);
+            break;
+        }
+        hb.pinned = picked.count(b) > 0;
+        staged_in++;
+    }
+
+    const double ms = (ggml_time_us() - t_start)/1000.0;
+    st.n_select++;
+    st.last_ms = ms;
+    n_selections++;
+    n_staged_in  += staged_in;
+    n_staged_out += staged_out;
+    last_select_ms = ms;
+
+    LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u sink=%u recent=%u scored=%u staged_in=%u staged_out=%u reused=%u query_tokens=%u ms=%.3f\n",
+            seq_id, n_blocks, budget_blocks, n_sink, n_recent, n_scored, staged_in, staged_out, reused, query_tokens, ms);
+    publish();
+
+    return staged_in > 0;
+}
+
+void llama_kvmem_cache::publish() {
+    snap_t total;
+    std::map<llama_seq_id, snap_t> per;
+    for (const auto & [s, st] : seqs) {
+        snap_t & x = per[s];
+        for (const auto & [b, hb] : st.blocks) {
+            x.n_blocks_gpu  += hb.resident ? 1 : 0;
+            x.n_blocks_host += 1;
+        }
+        x.n_select = st.n_select;
+        x.last_ms  = st.last_ms;
+        total.n_blocks_gpu  += x.n_blocks_gpu;
+    }
+    total.n_blocks_host = n_host_blocks();
+    total.n_select = n_selections;
+    total.last_ms  = last_select_ms;
+    std::lock_guard<std::mutex> lock(snap_mutex);
+    snap_total = total;
+    snap_seq.swap(per);
+}
+
+void llama_kvmem_cache::get_stats(llama_kvmem_stats * out) const {
+    std::lock_guard<std::mutex> lock(snap_mutex);
+    out->enabled             = 1;
+    out->budget              = kp.budget;
+    out->block_tokens        = kp.block;
+    out->n_blocks_gpu        = snap_total.n_blocks_gpu;
+    out->n_blocks_host       = snap_total.n_blocks_host;
+    out->host_bytes          = (int64_t) snap_total.n_blocks_host*block_bytes;
+    out->host_capacity_bytes = (int64_t) host_slots*block_bytes;
+    out->n_selections        = snap_total.n_select;
+    out->n_staged_in         = n_staged_in;
+    out->n_staged_out        = n_staged_out;
+    out->n_evicted           = n_evicted;
+    out->last_select_ms      = snap_total.last_ms;
+}
+
+bool llama_kvmem_cache::get_seq_stats(llama_seq_id seq_id, llama_kvmem_stats * out) const {
+    get_stats(out);
+    std::lock_guard<std::mutex> lock(snap_mutex);
+    const auto it = snap_seq.find(seq_id);
+    const snap_t x = it == snap_seq.end() ? snap_t() : it->second;
+    out->n_blocks_gpu   = x.n_blocks_gpu;
+    out->n_blocks_host  = x.n_blocks_host;
+    out->host_bytes     = (int64_t) x.n_blocks_host*block_bytes;
+    out->n_selections   = x.n_select;
+    out->last_select_ms = x.last_ms;
+    return true;
+}
+
+std::string llama_kvmem_cache::get_last_error() const {
+    std::lock_guard<std::mutex> lock(snap_mutex);
+    return last_error;
+}
+
+void llama_kvmem_cache::set_last_error(const std::string & msg) {
+    std::lock_guard<std::mutex> lock(snap_mutex);
+    last_error = msg;
+}
+
+//
+// setup hooks
+//
+
+void llama_kvmem_configure(llama_cparams & cparams, const llama_context_params & params) {
+    llama_kvmem_params kp;
+    kp.budget       = std::max(0, params.kvmem_budget);
+    kp.block        = params.kvmem_block > 0 ? params.kvmem_block : 128;
+    kp.sink         = std::max(0, params.kvmem_sink);
+    kp.recent       = std::max(0, params.kvmem_recent);
+    kp.gen_reserve  = std::max(0, params.kvmem_gen_reserve);
+    kp.query_tokens = params.kvmem_query_tokens > 0 ? params.kvmem_query_tokens : 32;
+    kp.host_mib     = std::max(0, params.kvmem_host_mib);
+    kp.method       = params.kvmem_method == LLAMA_KVMEM_METHOD_RECENCY ? LLAMA_KVMEM_METHOD_RECENCY : LLAMA_KVMEM_METHOD_RETRIEVAL;
+    kp.trace        = params.kvmem_trace;
+
+    if (params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
+        kp.budget = 0; // draft/MTP contexts are not tiered (yet)
+    }
+    if (kp.budget > 0) {
+        const uint32_t B = kp.block;
+        const uint32_t need = (div_up(kp.sink, B) + div_up(kp.recent, B) + 2)*B;
+        if (kp.budget < need) {
+            throw std::runtime_error(format("--kvmem-budget %u is too small: it must hold the sink (%u) + recent (%u) tokens "
+                        "rounded up to blocks of %u, plus one retrieved block and the partial tail: at least %u",
+                        kp.budget, kp.sink, kp.recent, B, need));
+        }
+        if (kp.gen_reserve < 1) {
+            throw std::runtime_error("--kvmem-gen-reserve must be at least 1");
+        }
+    }
+    cparams.kvmem = kp;
+}
+
+void llama_kvmem_check(const llama_model & model, llama_cparams & cparams) {
+    if (cparams.kvmem.budget == 0) {
+        return;
+    }
+    const std::string reason = llama_kvmem_cache::check(model, cparams, cparams.kvmem);
+    if (!reason.empty()) {
+        LLAMA_LOG_WARN("kvmem_score: DISABLED (%s)\n", reason.c_str());
+        cparams.kvmem.budget = 0;
+    }
+}
+
+void llama_kvmem_check_memory(llama_memory_i * mem, llama_cparams & cparams) {
+    if (cparams.kvmem.budget > 0 && !llama_kvmem_cache::from(mem)) {
+        LLAMA_LOG_WARN("kvmem_score: DISABLED (%s)\n", "the model's memory is not a plain attention KV cache (SWA, hybrid or recurrent models are not tiered yet)");
+        cparams.kvmem.budget = 0;
+    }
+}
+
+llama_memory_i * llama_kvmem_create_memory(const llama_model & model, const llama_memory_params & params,
+        const llama_cparams & cparams, const llama_memory_i::layer_filter_cb & filter) {
+    if (cparams.kvmem.budget == 0 || params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
+        return nullptr;
+    }
+    return new llama_kvmem_cache(model, params.type_k, params.type_v, cparams.offload_kqv,
+            cparams.n_seq_max, cparams.n_ctx, cparams.kvmem, filter);
+}
+
+//
+// llama_context: turn hook
+//
+
+int llama_context::decode(const llama_batch_ext & batch) {
+    auto * km = llama_kvmem_cache::from(memory.get());
+    if (!km || km->in_redecode) {
+        return decode_impl(batch);
+    }
+    km->set_last_error("");
+    const int ret = decode_impl(batch);
+    if (ret != 0) {
+        return ret;
+    }
+
+    // a new turn = several new tokens of one sequence whose last token is an output (the prompt's end)
+    const size_t n = batch.tokens.size();
+    if (n < 2 || !batch.tokens.back().output || batch.tokens.back().seq_ids.size() != 1) {
+        return 0;
+    }
+    const llama_seq_id s = *batch.tokens.back().seq_ids.begin();
+    for (const auto & tok : batch.tokens) {
+        if (tok.seq_ids.size() != 1 || *tok.seq_ids.begin() != s || tok.has_embd) {
+            return 0;
+        }
+    }
+    if (!km->select(s)) {
+        return 0;
+    }
+
+    // recompute the turn's last tokens so that they (and the logits) see the retrieved blocks
+    const size_t n_tail = std::min<size_t>(n, std::max<uint32_t>(km->params().query_tokens, 1));
+    for (size_t i = 0; i < n - n_tail; ++i) {
+        if (batch.tokens[i].output) {
+            return 0; // outputs outside the tail: keep the first pass
+        }
+    }
+    llama_batch_ext tail = batch;
+    tail.tokens.erase(tail.tokens.begin(), tail.tokens.begin() + (n - n_tail));
+
+    km->in_redecode = true;
+    memory->seq_rm(s, tail.tokens.front().pos[0], -1);
+    const int ret2 = decode_impl(tail);
+    km->in_redecode = false;
+    if (ret2 != 0) {
+        return ret2;
+    }
+
+    // map the outputs back to the indices of the caller's batch
+    std::vector<int32_t> ids(output_ids.begin(), output_ids.end());
+    std::fill(output_ids.begin(), output_ids.end(), -1);
+    for (size_t j = 0; j < n_tail && j < ids.size(); ++j) {
+        if (n - n_tail + j < output_ids.size()) {
+            output_ids[n - n_tail + j] = ids[j];
+        }
+    }
+    return 0;
+}
+
+void llama_context::kvmem_after_ubatch(const llm_graph_result * res, const llama_ubatch & ubatch) {
+    auto * km = llama_kvmem_cache::from(memory.get());
+    if (km) {
+        km->after_ubatch(sched.get(), res, ubatch);
+    }
+}
+
+//
+// C API
+//
+
+int32_t llama_kvmem_get_stats(const struct llama_context * ctx, struct llama_kvmem_stats * out) {
+    if (!ctx || !out) {
+        return -1;
+    }
+    std::memset(out, 0, sizeof(*out));
+    auto * km = llama_kvmem_cache::from(llama_get_memory(ctx));
+    if (!km) {
+        return 1; // tiering off
+    }
+    km->get_stats(out);
+    return 0;
+}
+
+int32_t llama_kvmem_get_seq_stats(const struct llama_context * ctx, llama_seq_id seq_id, struct llama_kvmem_stats * out) {
+    if (!ctx || !out) {
+        return -1;
+    }
+    std::memset(out, 0, sizeof(*out));
+    auto * km = llama_kvmem_cache::from(llama_get_memory(ctx));
+    if (!km) {
+        return 1;
+    }
+    km->get_seq_stats(seq_id, out);
+    return 0;
+}
+
+const char * llama_kvmem_last_error(const struct llama_context * ctx) {
+    // thread-local copy so the pointer stays valid for the caller
+    static thread_local std::string msg;
+    auto * km = ctx ? llama_kvmem_cache::from(llama_get_memory(ctx)) : nullptr;
+    msg = km ? km->get_last_error() : std::string();
+    return msg.c_str();
+}
