@@ -42,6 +42,7 @@ setup(
         "numpy>=1.24",
         "huggingface_hub>=0.23",
         "nvidia-ml-py>=12",
+        "matplotlib>=3.7",
     ],
     extras_require={
         "test": ["pytest>=7", "openai>=1.30", "ruff>=0.5"],

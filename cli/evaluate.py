@@ -1,5 +1,219 @@
-"""`kvmem` commands of this area (see COMMANDS)."""
+"""`kvmem eval`: long-context recall (RULER-style) against an endpoint or servers it starts itself."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import shlex
+import sys
+from pathlib import Path
 
 import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-COMMANDS: list[click.Command] = []
+from kvmem_llama.cli.console import console
+from kvmem_llama.errors import KvmemError
+from kvmem_llama.evaluation import corpus
+from kvmem_llama.evaluation.client import EvalClient
+from kvmem_llama.evaluation.report import Summary, length_label, render
+from kvmem_llama.evaluation.runner import RESULTS, Evaluation, Item, Plan, load_records
+from kvmem_llama.evaluation.servers import parse_budgets, parse_length
+from kvmem_llama.evaluation.tasks import ALIASES, TASKS, parse_tasks
+
+DEFAULT_TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe"
+
+
+class ProgressReporter:
+    """Feeds the runner's events to a rich progress bar."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+        self.task_id = progress.add_task("evaluating", total=None, score="")
+        self.scores: list[float] = []
+
+    def begin(self, total: int, done: int) -> None:
+        self.progress.update(self.task_id, total=total, completed=done)
+        if done:
+            self.progress.console.print(f"[dim]resuming: {done} of {total} samples already in the results[/]")
+
+    def server(self, config: str, length: int | None, url: str | None) -> None:
+        at = f" for {length_label(length)}" if length else ""
+        if url is None:
+            self.progress.update(self.task_id, description=f"[{config}] starting server{at}")
+        else:
+            self.progress.console.print(f"[dim]server [{config}]{at} ready at {url}[/]")
+
+    def sample(self, item: Item, config: str) -> None:
+        depth = f" @{item.depth}%" if item.depth is not None else ""
+        self.progress.update(self.task_id, description=f"[{config}] {item.task} {length_label(item.length)}{depth} "
+                                                       f"#{item.index}")
+
+    def result(self, record: dict) -> None:
+        self.scores.append(record["score"])
+        avg = sum(self.scores) / len(self.scores)
+        self.progress.update(self.task_id, advance=1, score=f"mean {avg:.0f}")
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvmemError(f"bad {what} {text!r}", hint="a comma list of integers, e.g. 10,50,90") from None
+    if not values:
+        raise KvmemError(f"no {what} given")
+    return values
+
+
+def _summary_table(summary: Summary) -> Table:
+    table = Table(title="kvmem eval: score (percent of expected strings found)", show_lines=False)
+    table.add_column("configuration")
+    table.add_column("task")
+    for n in summary.lengths:
+        table.add_column(length_label(n), justify="right")
+    for i, c in enumerate(summary.configs):
+        if i:
+            table.add_section()
+        for t in summary.tasks:
+            row = []
+            for n in summary.lengths:
+                got = summary.cell.get((c, t, n))
+                row.append(f"{got[0]:.1f}" if got else "-")
+            table.add_row(c, t, *row)
+        avg = [f"{summary.overall[(c, n)]:.1f}" if (c, n) in summary.overall else "-" for n in summary.lengths]
+        lat = summary.latency.get(c)
+        table.add_row(f"[bold]{c}[/]", f"[bold]average[/] [dim]({lat:.1f} s/sample)[/]" if lat else "[bold]average[/]",
+                      *[f"[bold]{a}[/]" for a in avg])
+    return table
+
+
+def _show_report(out: Path) -> None:
+    summary, files = render(out)
+    console.print(_summary_table(summary))
+    for f in files:
+        console.print(f"[dim]wrote[/] {f}")
+
+
+def _write_meta(out: Path, entry: dict) -> None:
+    path = out / "runs.json"
+    runs = []
+    if path.exists():
+        try:
+            runs = json.loads(path.read_text("utf-8"))
+        except json.JSONDecodeError:
+            runs = []
+    runs.append(entry)
+    path.write_text(json.dumps(runs, indent=2) + "\n", encoding="utf-8")
+
+
+@click.group("eval", invoke_without_command=True, context_settings={"max_content_width": 110})
+@click.option("--endpoint", metavar="URL", help="Root URL of a running OpenAI-compatible server (http://host:port).")
+@click.option("--model", "model_id", metavar="ID", help="Model id to request (default: the server's first model).")
+@click.option("--label", metavar="NAME",
+              help="Configuration name for an --endpoint run in results and plots (default: 'endpoint').")
+@click.option("--run", "run_model", metavar="MODEL",
+              help="Start servers itself for MODEL (a GGUF path or a shipped name, e.g. qwen2.5-coder:0.5b).")
+@click.option("--budgets", default="0", show_default=True,
+              help="With --run: configurations to compare. 0 = tiering off; 1/8 = an eighth of the length; "
+                   "2048 = tokens; 'recency:1/8' picks the method per entry.")
+@click.option("--method", type=click.Choice(["retrieval", "recency"]), default="retrieval", show_default=True,
+              help="With --run: how a budgeted server picks KV blocks (for entries without a method: prefix).")
+@click.option("--server-arg", "server_args", multiple=True, metavar="ARGS",
+              help="With --run: extra llama-server flags (repeatable, shell-quoted), e.g. --server-arg='-fa on'.")
+@click.option("--tasks", "tasks_spec", default=DEFAULT_TASKS, show_default=True,
+              help="Comma list of tasks or groups (see `kvmem eval tasks`).")
+@click.option("--lengths", default="4k,8k", show_default=True, help="Context lengths in tokens (4k = 4096).")
+@click.option("--depths", default="10,50,90", show_default=True,
+              help="Needle depths in percent of the context (ignored by cwe).")
+@click.option("--samples", default=2, show_default=True, type=click.IntRange(1), help="Samples per cell.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed: same seed, same prompts.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("kvmem-eval"),
+              show_default=True, help="Output folder (results.jsonl, summary.md, PNGs). Reruns resume.")
+@click.option("--timeout", default=1800.0, show_default=True, type=click.FloatRange(1),
+              help="Seconds to wait for one answer.")
+@click.option("--api-key", envvar="OPENAI_API_KEY", help="Bearer token for --endpoint (env OPENAI_API_KEY).")
+@click.pass_context
+def eval_group(ctx: click.Context, endpoint: str | None, model_id: str | None, label: str | None,
+               run_model: str | None, budgets: str, method: str, server_args: tuple[str, ...], tasks_spec: str,
+               lengths: str, depths: str, samples: int, seed: int, out_dir: Path, timeout: float,
+               api_key: str | None) -> None:
+    """Measure long-context recall: RULER-style tasks, generated offline, sized by the server's tokenizer.
+
+    \b
+    Against a running server:
+      kvmem eval --endpoint http://127.0.0.1:8080 --lengths 4k,8k --samples 3
+    Starting servers itself and comparing KV budgets (0 = tiering off):
+      kvmem eval --run qwen2.5-coder:0.5b --budgets 0,1/8,1/16,recency:1/8 --lengths 8k,16k
+    Redraw the table and plots of a results folder:
+      kvmem eval report kvmem-eval
+
+    Each answered sample is one line of OUT/results.jsonl, written at once; Ctrl-C keeps
+    everything answered so far and the same command resumes where it stopped.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if bool(endpoint) == bool(run_model):
+        raise click.UsageError("give either --endpoint URL (a running server) or --run MODEL (start servers)")
+    if endpoint and (budgets != "0" or server_args):
+        raise click.UsageError("--budgets and --server-arg need --run (with --endpoint the server is yours: "
+                               "name its configuration with --label)")
+    plan = Plan(parse_tasks(tasks_spec), [parse_length(x) for x in lengths.split(",") if x.strip()],
+                _ints(depths, "depths"), samples, seed)
+    if any(not 0 <= d <= 100 for d in plan.depths):
+        raise KvmemError("depths are percentages between 0 and 100")
+    configs = parse_budgets(budgets, method) if run_model else []
+    extra = [a for arg in server_args for a in shlex.split(arg)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_meta(out_dir, {"argv": ["kvmem", *sys.argv[1:]],
+                          "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                          "tasks": plan.tasks, "lengths": plan.lengths, "depths": plan.depths, "samples": samples,
+                          "seed": seed, "corpus": corpus.corpus_info()})
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[score]}"), TimeElapsedColumn(), console=console, transient=False)
+    reporter = ProgressReporter(progress)
+    evaluation = Evaluation(plan, out_dir, reporter)
+    try:
+        with progress:
+            if endpoint:
+                with EvalClient(endpoint, model_id, timeout=timeout, api_key=api_key) as client:
+                    for _ in evaluation.run_endpoint(client, label or "endpoint"):
+                        pass
+            else:
+                assert run_model is not None
+                for _ in evaluation.run_configs(run_model, configs, out_dir / "logs", extra, timeout):
+                    pass
+    except KeyboardInterrupt:
+        kept = len(load_records(out_dir))
+        console.print(f"[yellow]interrupted[/]: {kept} results kept in {out_dir / RESULTS}; "
+                      "run the same command again to resume")
+        if kept:
+            _show_report(out_dir)
+        raise
+    _show_report(out_dir)
+
+
+@eval_group.command("report")
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def report_cmd(out_dir: Path) -> None:
+    """Re-render the summary table, summary.md and PNG plots from OUT_DIR/results.jsonl."""
+    if not (out_dir / RESULTS).exists():
+        raise KvmemError(f"{out_dir / RESULTS} does not exist", hint="pass the --out folder of a `kvmem eval` run")
+    _show_report(out_dir)
+
+
+@eval_group.command("tasks")
+def tasks_cmd() -> None:
+    """List the tasks and task groups."""
+    table = Table(title="kvmem eval tasks")
+    table.add_column("task")
+    table.add_column("what")
+    table.add_column("depth", justify="center")
+    table.add_column("max answer", justify="right")
+    for t in TASKS.values():
+        table.add_row(t.name, t.description, "yes" if t.uses_depth else "-", str(t.max_tokens))
+    console.print(table)
+    for name, members in ALIASES.items():
+        console.print(f"[bold]{name}[/] = {', '.join(members)}")
+
+
+COMMANDS: list[click.Command] = [eval_group]

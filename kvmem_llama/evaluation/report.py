@@ -1,0 +1,166 @@
+"""Summaries and pictures from results.jsonl: a table (task x length per configuration) and PNGs.
+
+Averages are per task first, then across tasks with equal weight, so a task with more
+depths does not outweigh the others.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmem_llama.errors import KvmemError
+from kvmem_llama.evaluation.runner import load_records
+from kvmem_llama.evaluation.scoring import mean
+
+ACCURACY_PNG = "accuracy_vs_length.png"
+HEATMAP_PNG = "depth_heatmap.png"
+SUMMARY_MD = "summary.md"
+
+
+@dataclass
+class Summary:
+    configs: list[str]
+    tasks: list[str]
+    lengths: list[int]
+    cell: dict[tuple[str, str, int], tuple[float, int]]  # (config, task, length) -> (mean score, samples)
+    overall: dict[tuple[str, int], float]  # (config, length) -> mean over tasks
+    depth: dict[tuple[str, int, int], float]  # (config, depth, length) -> mean over depth-aware tasks
+    depths: list[int]
+    latency: dict[str, float]  # config -> mean latency (s)
+
+
+def _ordered(values) -> list:
+    return list(dict.fromkeys(values))
+
+
+def summarize(records: list[dict]) -> Summary:
+    if not records:
+        raise KvmemError("no results to summarize", hint="run `kvmem eval` first; results live in OUT/results.jsonl")
+    configs = _ordered(r["config"] for r in records)
+    tasks = _ordered(r["task"] for r in records)
+    lengths = sorted({int(r["length"]) for r in records})
+    depths = sorted({int(r["depth"]) for r in records if r.get("depth") is not None})
+    scores: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+    by_depth: dict[tuple[str, str, int, int], list[float]] = defaultdict(list)
+    lat: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        scores[(r["config"], r["task"], int(r["length"]))].append(float(r["score"]))
+        if r.get("depth") is not None:
+            by_depth[(r["config"], r["task"], int(r["depth"]), int(r["length"]))].append(float(r["score"]))
+        if r.get("latency_s") is not None:
+            lat[r["config"]].append(float(r["latency_s"]))
+    cell = {k: (sum(v) / len(v), len(v)) for k, v in scores.items()}
+    overall: dict[tuple[str, int], float] = {}
+    for c in configs:
+        for n in lengths:
+            m = mean(cell[(c, t, n)][0] for t in tasks if (c, t, n) in cell)
+            if m is not None:
+                overall[(c, n)] = m
+    depth: dict[tuple[str, int, int], float] = {}
+    for c in configs:
+        for d in depths:
+            for n in lengths:
+                m = mean(sum(v) / len(v) for (c2, _, d2, n2), v in by_depth.items() if (c2, d2, n2) == (c, d, n))
+                if m is not None:
+                    depth[(c, d, n)] = m
+    latency = {c: sum(v) / len(v) for c, v in lat.items() if v}
+    return Summary(configs, tasks, lengths, cell, overall, depth, depths, latency)
+
+
+def length_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def markdown(summary: Summary) -> str:
+    """One table: rows = configuration x task (+ an average row), columns = lengths."""
+    head = "| configuration | task | " + " | ".join(length_label(n) for n in summary.lengths) + " |"
+    lines = [head, "|" + "---|" * (2 + len(summary.lengths))]
+    for c in summary.configs:
+        for t in summary.tasks:
+            row = []
+            for n in summary.lengths:
+                got = summary.cell.get((c, t, n))
+                row.append(f"{got[0]:.1f} ({got[1]})" if got else "-")
+            lines.append(f"| {c} | {t} | " + " | ".join(row) + " |")
+        avg = [f"**{summary.overall[(c, n)]:.1f}**" if (c, n) in summary.overall else "-" for n in summary.lengths]
+        lines.append(f"| {c} | **average** | " + " | ".join(avg) + " |")
+    lines.append("")
+    lines.append("Scores are the percent of expected strings found in the answer (case-insensitive), "
+                 "averaged over samples (count in parentheses) and depths; the average row weighs tasks equally.")
+    return "\n".join(lines) + "\n"
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise KvmemError("plots need matplotlib", hint="pip install matplotlib") from None
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_accuracy(summary: Summary, path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for c in summary.configs:
+        xs = [n for n in summary.lengths if (c, n) in summary.overall]
+        ax.plot(xs, [summary.overall[(c, n)] for n in xs], marker="o", label=c)
+    ax.set_xscale("log", base=2)
+    ax.minorticks_off()
+    ax.set_xticks(summary.lengths)
+    ax.set_xticklabels([length_label(n) for n in summary.lengths])
+    ax.set_ylim(-3, 103)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("score (mean over tasks)")
+    ax.set_title("Accuracy vs context length")
+    ax.grid(True, alpha=0.3)
+    ax.legend(title="configuration")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_heatmap(summary: Summary, path: Path) -> Path:
+    """Depth x length per configuration (tasks with a needle depth only)."""
+    plt = _pyplot()
+    configs = [c for c in summary.configs if any(k[0] == c for k in summary.depth)] or summary.configs
+    depths = summary.depths or [0]
+    width = 1.0 + len(configs) * (1.2 + max(2.4, 0.9 * len(summary.lengths)))
+    fig, axes = plt.subplots(1, len(configs), figsize=(width, 2.2 + 0.4 * len(depths)), dpi=110, squeeze=False,
+                             layout="constrained")
+    image = None
+    for ax, c in zip(axes[0], configs, strict=True):
+        grid = [[summary.depth.get((c, d, n), float("nan")) for n in summary.lengths] for d in depths]
+        image = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(summary.lengths)))
+        ax.set_xticklabels([length_label(n) for n in summary.lengths])
+        ax.set_yticks(range(len(depths)))
+        ax.set_yticklabels([f"{d}%" for d in depths])
+        ax.set_xlabel("context length")
+        ax.set_ylabel("needle depth")
+        ax.set_title(c)
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if v == v:  # not NaN
+                    ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8)
+    if image is not None:
+        fig.colorbar(image, ax=list(axes[0]), shrink=0.9, label="score")
+    fig.suptitle("Score by needle depth and length")
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def render(out_dir: Path) -> tuple[Summary, list[Path]]:
+    """Re-read OUT/results.jsonl and (re)write summary.md and both PNGs."""
+    out_dir = Path(out_dir)
+    summary = summarize(load_records(out_dir))
+    md = out_dir / SUMMARY_MD
+    md.write_text(markdown(summary), encoding="utf-8")
+    files = [md, plot_accuracy(summary, out_dir / ACCURACY_PNG), plot_heatmap(summary, out_dir / HEATMAP_PNG)]
+    return summary, files

@@ -1,0 +1,344 @@
+"""RULER-style synthetic tasks: seeded generators whose prompts fill a target token length.
+
+Every task builds its prompt from a haystack of `n` units (words, or list entries for the
+common-words task); `fit_sample` searches `n` with the server's tokenizer so the prompt is
+as long as requested (never longer; short by less than one unit, i.e. a few tokens).
+A sample depends only on (seed, task, length, depth, index): every configuration of a
+comparison sees exactly the same prompts, and the depths of one sample share their haystack.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import re
+import string
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvmem_llama.errors import KvmemError
+from kvmem_llama.evaluation import corpus
+
+NIAH_TEMPLATE = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+                 "I will quiz you about the numbers afterwards.\n{context}\n{question}")
+VT_TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+               "{context}\n{question}")
+CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. "
+                "Memorize the ones that appear most often.\n{context}\n{question}")
+CWE_QUESTION = ("Question: What are the {n} most common words in the above list? "
+                "Answer: The top {n} words that appear most often in the list are:")
+
+
+@dataclass
+class Built:
+    """One prompt for a given haystack size, with where its parts sit (character offsets)."""
+
+    prompt: str
+    expected: list[str]
+    context_span: tuple[int, int]
+    needle_offsets: list[int] = field(default_factory=list)  # targets only, in prompt order
+    answer_pool: frozenset[str] | None = None  # cwe: the words of the list (see scoring.score)
+
+
+@dataclass
+class Sample:
+    task: str
+    length: int  # requested tokens
+    depth: int | None  # percent of the context where the answer sits; None for tasks without one
+    index: int
+    seed: int
+    prompt: str
+    expected: list[str]
+    max_tokens: int
+    tokens: int  # measured prompt tokens (server tokenizer, no special tokens)
+    units: int  # haystack size that produced `tokens`
+    context_span: tuple[int, int]
+    needle_offsets: list[int]
+    answer_pool: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    description: str
+    build: Callable[[random.Random, int, int | None, int], Built]  # (rng, n units, depth, length)
+    max_tokens: int
+    uses_depth: bool = True
+
+
+# ---------------------------------------------------------------- helpers
+
+def _number(rng: random.Random, digits: int = 7) -> str:
+    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+
+def _keys(rng: random.Random, count: int) -> list[str]:
+    words = corpus.vocabulary()
+    keys: list[str] = []
+    while len(keys) < count:
+        a, b = rng.sample(words, 2)
+        key = f"{a}-{b}"
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+def _snap(words: list[str], idx: int) -> int:
+    """The sentence boundary (count of words before it) nearest to `idx`, within 1% of the haystack (>= 12 words)."""
+    n = len(words)
+    window = max(12, n // 100)
+    idx = max(0, min(n, idx))
+    for delta in range(window + 1):
+        for k in (idx - delta, idx + delta):
+            if 0 <= k <= n and (k in (0, n) or corpus.is_sentence_end(words[k - 1])):
+                return k
+    return idx  # no boundary near: insert between words
+
+
+def _fill(words: list[str], needles: list[tuple[float, str, bool]]) -> tuple[str, list[int]]:
+    """Insert needle sentences at fractional positions of `words`; returns text and target offsets."""
+    # depth is a fraction of the whole context, needles included: count needle words as context
+    total = len(words) + sum(len(text.split()) for _, text, _ in needles)
+    placed = []
+    before = 0  # needle words ahead of the current needle
+    at = 0
+    ranked = sorted(enumerate(needles), key=lambda e: (e[1][0], e[0]))
+    for rank, (_, (frac, text, target)) in enumerate(ranked):
+        # snapping may move a needle across its neighbour: keep them in the order of their depths
+        at = max(at, _snap(words, round(frac * total) - before))
+        placed.append((at, rank, text, target))
+        before += len(text.split())
+    parts: list[str] = []
+    offsets: list[int] = []
+    pos = 0
+    cursor = 0
+
+    def add(piece: str) -> int:
+        nonlocal pos
+        if parts:
+            parts.append(" ")
+            pos += 1
+        start = pos
+        parts.append(piece)
+        pos += len(piece)
+        return start
+
+    for at, _, text, target in placed:
+        if at > cursor:
+            add(" ".join(words[cursor:at]))
+            cursor = at
+        start = add(text)
+        if target:
+            offsets.append(start)
+    if cursor < len(words):
+        add(" ".join(words[cursor:]))
+    return "".join(parts), offsets
+
+
+def _render(template: str, context: str, question: str, offsets: list[int], expected: list[str]) -> Built:
+    head = template.split("{context}")[0]
+    prompt = template.format(context=context, question=question)
+    start = len(head)
+    return Built(prompt, expected, (start, start + len(context)), [start + o for o in offsets])
+
+
+def _cluster(depth: int | None, count: int, spread: float) -> list[float]:
+    """`count` positions around `depth` percent, `spread` wide, kept inside the context."""
+    center = (depth if depth is not None else 50) / 100
+    if count == 1:
+        return [center]
+    lo = min(max(center - spread / 2, 0.0), 1.0 - spread)
+    return [lo + spread * i / (count - 1) for i in range(count)]
+
+
+def _essay_start(rng: random.Random) -> int:
+    words = corpus.essay_words()
+    k = rng.randrange(len(words))
+    while k < len(words) and not corpus.is_sentence_end(words[k - 1] if k else "."):
+        k += 1
+    return k % len(words)
+
+
+def _haystack(rng: random.Random, kind: str, n: int) -> list[str]:
+    if kind == "noise":
+        return corpus.take_words(corpus.noise_words(), 0, n)
+    return corpus.take_words(corpus.essay_words(), _essay_start(rng), n)
+
+
+def _needle(key: str, value: str) -> str:
+    return f"One of the special magic numbers for {key} is: {value}."
+
+
+def _ask(keys: list[str]) -> str:
+    if len(keys) == 1:
+        k = keys[0]
+        return (f"What is the special magic number for {k} mentioned in the provided text? "
+                f"The special magic number for {k} mentioned in the provided text is")
+    joined = ", ".join(keys[:-1]) + f" and {keys[-1]}"
+    return (f"What are all the special magic numbers for {joined} mentioned in the provided text? "
+            f"The special magic numbers for {joined} mentioned in the provided text are")
+
+
+# ---------------------------------------------------------------- tasks
+
+def _niah(kind: str, n_keys: int = 1, n_values: int = 1, n_queries: int = 1) -> Callable:
+    """One builder for the whole NIAH family; all draws happen before the haystack is sized."""
+
+    def build(rng: random.Random, n: int, depth: int | None, length: int) -> Built:
+        keys = _keys(rng, n_keys)
+        values = {k: [_number(rng) for _ in range(n_values)] for k in keys}
+        queried = keys[:n_queries]
+        distractor_fracs = [rng.random() for _ in keys[n_queries:]]
+        words = _haystack(rng, kind, n)
+        targets = [_needle(k, v) for k in queried for v in values[k]]
+        needles = [(f, t, True) for f, t in zip(_cluster(depth, len(targets), 0.1), targets, strict=True)]
+        needles += [(f, _needle(k, values[k][0]), False)
+                    for f, k in zip(distractor_fracs, keys[n_queries:], strict=True)]
+        context, offsets = _fill(words, needles)
+        expected = [v for k in queried for v in values[k]]
+        return _render(NIAH_TEMPLATE, context, _ask(queried), offsets, expected)
+
+    return build
+
+
+def _var_name(rng: random.Random) -> str:
+    return "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
+
+
+def _vt(rng: random.Random, n: int, depth: int | None, length: int, hops: int = 4) -> Built:
+    value = _number(rng, 5)
+    names: list[str] = []
+    while len(names) < hops + 1:
+        name = _var_name(rng)
+        if name not in names:
+            names.append(name)
+    statements = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops + 1)]
+    words = _haystack(rng, "noise", n)
+    needles = [(f, s, True) for f, s in zip(_cluster(depth, len(statements), 0.2), statements, strict=True)]
+    context, offsets = _fill(words, needles)
+    question = (f"Question: Find all variables that are assigned the value {value} in the text above. "
+                f"Answer: According to the chain(s) of variable assignment in the text above, {hops + 1} variables "
+                f"are assigned the value {value}, they are:")
+    return _render(VT_TEMPLATE, context, question, offsets, names)
+
+
+def _cwe_frequencies(length: int) -> tuple[int, int]:
+    """(times each common word appears, times each other word appears), scaled to fit short contexts."""
+    common = min(30, max(6, length // 256))
+    return common, (2 if length < 4096 else 3)
+
+
+@functools.lru_cache(maxsize=1)
+def _cwe_pool() -> tuple[str, ...]:
+    # no word of the instructions: an answer's preamble ("the most common words are") is never a list word
+    taken = set(corpus.vocabulary()) | {w.lower() for w in re.findall(r"[A-Za-z]+", CWE_TEMPLATE + CWE_QUESTION)}
+    seen = dict.fromkeys(w.strip(".,;:()\"'“”").lower() for w in corpus.essay_words())
+    return tuple(w for w in seen if w.isalpha() and w.isascii() and len(w) >= 4 and w not in taken)
+
+
+def _cwe(rng: random.Random, n: int, depth: int | None, length: int, n_common: int = 10) -> Built:
+    f_common, f_other = _cwe_frequencies(length)
+    common = rng.sample(corpus.vocabulary(), n_common)
+    pool = list(_cwe_pool())
+    rng.shuffle(pool)
+    others: list[str] = []
+    for i in range(n):  # n entries of rare words, each repeated f_other times
+        others.append(pool[(i // f_other) % len(pool)])
+    entries = [w for w in common for _ in range(f_common)] + others
+    random.Random(rng.random()).shuffle(entries)
+    context = " ".join(f"{i + 1}. {w}" for i, w in enumerate(entries))
+    built = _render(CWE_TEMPLATE, context, CWE_QUESTION.format(n=n_common), [], common)
+    built.answer_pool = frozenset(entries)
+    return built
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (
+    Task("niah_single_noise", "one needle in repeated filler sentences", _niah("noise"), 32),
+    Task("niah_single_essay", "one needle in prose (Python reference topics)", _niah("essay"), 32),
+    Task("niah_multikey", "one needle among 3 distractor keys, essay haystack", _niah("essay", n_keys=4), 32),
+    Task("niah_multivalue", "one key with 4 values, all must be returned", _niah("essay", n_values=4), 96),
+    Task("niah_multiquery", "4 keys asked at once, all values must be returned",
+         _niah("essay", n_keys=4, n_queries=4), 96),
+    Task("vt", "variable tracking: a 4-hop chain of VAR X = VAR Y in filler", _vt, 96),
+    Task("cwe", "common-words extraction: the 10 most frequent words of a numbered list", _cwe, 128,
+         uses_depth=False),
+)}
+
+ALIASES = {
+    "niah_single": ["niah_single_noise", "niah_single_essay"],
+    "niah": ["niah_single_noise", "niah_single_essay", "niah_multikey", "niah_multivalue", "niah_multiquery"],
+    "variable_tracking": ["vt"],
+    "common_words": ["cwe"],
+    "all": list(TASKS),
+}
+
+
+def parse_tasks(spec: str) -> list[str]:
+    out: list[str] = []
+    for raw in spec.split(","):
+        name = raw.strip().lower()
+        if not name:
+            continue
+        names = ALIASES.get(name, [name])
+        for n in names:
+            if n not in TASKS:
+                raise KvmemError(f"unknown task {raw.strip()!r}",
+                                 hint=f"tasks: {', '.join(TASKS)}; groups: {', '.join(ALIASES)}")
+            if n not in out:
+                out.append(n)
+    if not out:
+        raise KvmemError("no tasks given", hint=f"e.g. --tasks niah_single,vt (all: {', '.join(TASKS)})")
+    return out
+
+
+def sample_rng(seed: int, task: str, length: int, index: int) -> random.Random:
+    """The draws of one sample. Depth is left out on purpose: across depths the haystack, keys and
+    values stay the same and only the needle moves (and a server's prompt cache can reuse the prefix)."""
+    # str seeds hash with sha512 in random's version 2: stable across runs and platforms
+    return random.Random(f"kvmem-eval:{seed}:{task}:{length}:{index}")
+
+
+def fit_sample(task_name: str, length: int, depth: int | None, index: int, seed: int,
+               count_tokens: Callable[[str], int], max_probes: int = 40) -> Sample:
+    """Build the sample whose prompt is the longest not exceeding `length` tokens."""
+    task = TASKS[task_name]
+    if not task.uses_depth:
+        depth = None
+    cache: dict[int, tuple[Built, int]] = {}
+
+    def probe(n: int) -> int:
+        if n not in cache:
+            built = task.build(sample_rng(seed, task_name, length, index), n, depth, length)
+            cache[n] = (built, count_tokens(built.prompt))
+        return cache[n][1]
+
+    base = probe(0)
+    if base > length:
+        raise KvmemError(f"{task_name}: the prompt without any haystack is already {base} tokens (> {length})",
+                         hint="ask for a longer --lengths")
+    step = 64
+    ratio = max((probe(step) - base) / step, 0.05)  # tokens per unit
+    lo, hi = 0, None  # invariant: probe(lo) <= length < probe(hi)
+    guess = max(1, int((length - base) / ratio))
+    last_side = ""
+    for _ in range(max_probes):
+        side = "lo" if probe(guess) <= length else "hi"
+        if side == "lo":
+            lo = max(lo, guess)
+        else:
+            hi = guess if hi is None else min(hi, guess)
+        if hi is not None and hi - lo <= 1:
+            break
+        if hi is None:  # extrapolate past the target (+2 units) so that it gets bracketed
+            slope = max((probe(lo) - base) / lo, 0.05) if lo else ratio
+            guess = lo + max(2, int((length - probe(lo)) / slope) + 2)
+        elif side == last_side:  # secant steps stall on one side: bisect instead
+            guess = (lo + hi) // 2
+        else:  # secant inside the bracket; nearly linear, so this lands within a unit or two
+            f_lo, f_hi = probe(lo), probe(hi)
+            guess = lo + int((length - f_lo) * (hi - lo) / max(f_hi - f_lo, 1))
+            guess = min(max(guess, lo + 1), hi - 1)
+        last_side = side
+    built, tokens = cache[lo]
+    return Sample(task_name, length, depth, index, seed, built.prompt, built.expected, task.max_tokens,
+                  tokens, lo, built.context_span, built.needle_offsets, built.answer_pool)
