@@ -24,14 +24,17 @@ from kvmem_llama.packaging import SUMS_FILE, install_engine_package, package_eng
 @click.option("--force", is_flag=True, help="Rebuild even if this engine is already installed.")
 @click.option("--upstream", is_flag=True,
               help="Build the pinned llama.cpp WITHOUT our patches (a baseline for A/B benchmarks).")
-def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool, upstream: bool) -> None:
+@click.option("--fa-quants", default="all", show_default=True,
+              help="CUDA flash-attention K/V type pairs: `all` (needed for q5_0 KV) or `default` (upstream's set, "
+                   "builds faster).")
+def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool, upstream: bool, fa_quants: str) -> None:
     """Build an engine (llama-server, llama-cli, llama-bench, rpc-server, libllama).
 
     Fetches the pinned llama.cpp (verified), applies our patch series, builds with
     cmake (ccache when installed) and installs into the engine store. Results are
     cached by pin + patch hash + target + toolchain: a second run is instant.
     """
-    plan = plan_build(sm, jobs, dry_run=dry_run, upstream=upstream)
+    plan = plan_build(sm, jobs, dry_run=dry_run, upstream=upstream, fa_quants=fa_quants)
     if dry_run:
         console.print(f"# engine {plan.key}")
         console.print(f"# source: {plan.src}  (pin {plan.pin.requirement} + {len(plan.series.names)} patch(es))")

@@ -117,9 +117,10 @@ def export(directory: Path, patches_dir: Path | None) -> None:
 @vendor.command()
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".kvmem"),
               show_default=True, help="Directory for the tarball (git-ignored by default).")
-def pack(out_dir: Path) -> None:
+@click.option("--upstream", is_flag=True, help="Pack the bare pin (no patches), for `kvmem build --upstream`.")
+def pack(out_dir: Path, upstream: bool) -> None:
     """Write the patched tree as a compact tar.xz, for a build host with no registry access."""
-    tarball = pack_source(out_dir)
+    tarball = pack_source(out_dir, upstream)
     console.print(f"[green]packed[/] {tarball} ({human_bytes(tarball.stat().st_size)})")
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from kvmem_llama import paths
-from kvmem_llama.engine import TREE_MARKER, Engine, load_engine, patched_tree, tree_key
+from kvmem_llama.engine import TREE_MARKER, Engine, load_engine, patched_tree, tree_key, upstream_series
 from kvmem_llama.errors import KvmemError, VerificationError
 from kvmem_llama.patching import load_series
 from kvmem_llama.vendor import load_pin
@@ -37,9 +37,9 @@ SUMS_FILE = "SHA256SUMS"
 # --- source packs ---
 
 
-def pack_source(out_dir: Path) -> Path:
-    """Write the patched tree of this checkout's pin + series as one tar.xz; returns its path."""
-    pin, series = load_pin(), load_series()
+def pack_source(out_dir: Path, upstream: bool = False) -> Path:
+    """Write the patched tree of this checkout's pin + series (or the bare pin) as one tar.xz."""
+    pin, series = load_pin(), (upstream_series() if upstream else load_series())
     src = patched_tree(pin, series, log=lambda _m: None)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"kvmem-src-{tree_key(pin, series)}.tar.xz"
@@ -62,18 +62,20 @@ def pack_source(out_dir: Path) -> Path:
 
 def unpack_source(pack: Path) -> Path:
     """Put a source pack where `kvmem build` looks for the patched tree; refuses another series."""
-    pin, series = load_pin(), load_series()
-    root = paths.cache_dir() / "trees" / tree_key(pin, series)
+    pin = load_pin()
     with tarfile.open(pack, "r:*") as archive:
         member = archive.getmember(f"src/{TREE_MARKER}")
         handle = archive.extractfile(member)
         assert handle is not None
         marker = json.loads(handle.read())
-        if marker.get("pin") != pin.sha256 or marker.get("series") != series.hash():
+        known = {s.hash(): s for s in (load_series(), upstream_series())}
+        series = known.get(marker.get("series"))
+        if marker.get("pin") != pin.sha256 or series is None:
             raise VerificationError(
                 f"{pack.name} was made from another pin or patch series than this checkout",
                 hint="make the pack with `kvmem vendor pack` from the same commit",
             )
+        root = paths.cache_dir() / "trees" / tree_key(pin, series)
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=root, prefix=".unpack-"))
         try:

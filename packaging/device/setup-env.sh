@@ -5,5 +5,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/kv . >/dev/null
 export PYTHONPATH=/tmp/kv:/tmp/site PATH=/tmp/kv/bin:/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export CCACHE_DIR=/tmp/ccache
-kvmem vendor unpack .kvmem/kvmem-src-*.tar.xz
+for pack in .kvmem/kvmem-src-*.tar.xz; do kvmem vendor unpack "$pack"; done
 set +e
