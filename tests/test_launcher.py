@@ -172,6 +172,16 @@ def test_dry_run_layers_and_detection(cpu_engine: Engine) -> None:
 # --- real servers ---
 
 
+def test_tiering_self_test_passes_on_the_real_engine(smollm2: Path, servers_dir: Path) -> None:
+    """With the tiering engine, a user budget arms tiering and readiness waits for a found needle + SELECT."""
+    with launcher.start_server(None, ctx=8192, extra_args=["--kvmem-budget", "1024", "-t", "2"], hw=cpu_hw()) as srv:
+        log = srv.log_text()
+        assert any(kvmem_log.parse_armed(line) for line in log.splitlines())
+        selects = [s for line in log.splitlines() if (s := kvmem_log.parse_select(line))]
+        assert selects and selects[-1]["budget_blocks"] == 1024 // 128
+        assert httpx.get(f"{srv.url}/props", timeout=10).json()["kvmem"]["budget"] == 1024
+
+
 def test_start_server_ready_and_stop(smollm2: Path, servers_dir: Path) -> None:
     with launcher.start_server(None, ctx=2048, mode="tool", extra_args=["-t", "2"]) as srv:
         assert srv.model_id == "smollm2" and srv.ctx == 2048
