@@ -414,6 +414,11 @@ class ServerHandle:
             if served_ctx:
                 self.ctx = int(served_ctx)
             if self_test:
+                disabled = [d for line in tail_lines(self.log_path, 10**9) if (d := kvmem_log.parse_disabled(line))]
+                if disabled:  # the engine fell back to untiered KV: the planned context would not fit the GPU
+                    raise self._failed(
+                        f"the engine disabled KV tiering ({disabled[-1]['reason']}), so the whole context needs "
+                        "VRAM: lower the context (--ctx) or run a model the engine can tier")
                 say("running the tiering self-test")
                 self.self_test = self._run_self_test(http, deadline)
 

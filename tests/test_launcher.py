@@ -25,6 +25,7 @@ import pytest
 from kvmem_llama import hardware, kvmem_log, launcher, planner, servers
 from kvmem_llama.engine import Engine
 from kvmem_llama.errors import KvmemError
+from kvmem_llama.shipped import shipped_model_path
 
 SELECT = ("srv  kvmem_score: SELECT seq=0 n_blocks=96 budget_blocks=16 sink=1 recent=4 scored=11 staged_in=11 "
           "staged_out=3 reused=2 query_tokens=21 ms=0.41")
@@ -180,6 +181,13 @@ def test_tiering_self_test_passes_on_the_real_engine(smollm2: Path, servers_dir:
         selects = [s for line in log.splitlines() if (s := kvmem_log.parse_select(line))]
         assert selects and selects[-1]["budget_blocks"] == 1024 // 128
         assert httpx.get(f"{srv.url}/props", timeout=10).json()["kvmem"]["budget"] == 1024
+
+
+def test_tiering_disabled_by_the_engine_fails_readiness_with_the_reason(servers_dir: Path) -> None:
+    """gemma3 (sliding window) is not tiered: an untiered fallback would need the whole context in VRAM."""
+    gemma = shipped_model_path("gemma3:270m")
+    with pytest.raises(launcher.ServerFailed, match=r"disabled KV tiering \(.+\).*lower the context"):
+        launcher.start_server(str(gemma), ctx=4096, extra_args=["--kvmem-budget", "1024", "-t", "2"], hw=cpu_hw())
 
 
 def test_start_server_ready_and_stop(smollm2: Path, servers_dir: Path) -> None:
