@@ -257,6 +257,12 @@ def test_cli_foreground_ctrl_c(smollm2: Path, servers_dir: Path) -> None:
             if line.startswith("ready "):
                 break
         assert any(line.startswith("ready http://127.0.0.1:") for line in seen), "".join(seen)
+        echo_deadline = time.monotonic() + 15  # the log echo runs in its own thread and may trail "ready"
+        while not any("listening on" in line for line in seen) and time.monotonic() < echo_deadline:
+            try:
+                seen.append(lines.get(timeout=1) or "")
+            except queue.Empty:
+                pass
         assert any("listening on" in line for line in seen)  # the server log is echoed to the console
         record = servers.load("fg")
         assert record is not None and record.alive
