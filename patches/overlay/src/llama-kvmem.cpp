@@ -15,9 +15,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <set>
 #include <stdexcept>
+
+// blocks are ranked by the mean of their few best (layer, KV head) scores
+static constexpr size_t KVMEM_TOP_HEADS = 4;
 
 static uint32_t div_up(uint32_t a, uint32_t b) { return (a + b - 1)/b; }
 
@@ -356,8 +360,8 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
     drop_host_blocks(seq_id, p0/B);
     if (!in_redecode) {
         // the summary of the cut block only covers the kept tokens from now on
-        for (auto kit = st.ksum.lower_bound(p0/B); kit != st.ksum.end(); ) {
-            kit = st.ksum.erase(kit);
+        for (auto kit = st.kbox.lower_bound(p0/B); kit != st.kbox.end(); ) {
+            kit = st.kbox.erase(kit);
         }
     }
     return ok;
@@ -591,7 +595,7 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
 
     std::vector<float> buf;
 
-    // block key sums (pre-RoPE); a recomputed tail is already counted
+    // block key boxes (element-wise pre-RoPE min/max); a recomputed tail changes nothing
     if (!in_redecode) {
         for (uint32_t lt = 0; lt < n_lt; ++lt) {
             const uint32_t il = layers[lt].il;
@@ -603,14 +607,20 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
             ggml_backend_tensor_get(t, buf.data(), 0, ggml_nbytes(t));
             for (uint32_t i = 0; i < nt; ++i) {
                 const llama_seq_id s = ubatch.seq_id[i][0];
-                auto & ks = seqs[s].ksum[ubatch.pos[i]/B];
-                if (ks.empty()) {
-                    ks.assign((size_t) n_lt*per_k, 0.0f);
-                }
-                float * dst = ks.data() + lt*per_k;
                 const float * src = buf.data() + i*per_k;
+                auto & kb = seqs[s].kbox[ubatch.pos[i]/B];
+                if (kb.empty()) {
+                    kb.resize((size_t) n_lt*2*per_k);
+                    for (size_t o = 0; o < kb.size(); o += 2*per_k) {
+                        std::fill(kb.begin() + o,         kb.begin() + o + per_k,   INFINITY);
+                        std::fill(kb.begin() + o + per_k, kb.begin() + o + 2*per_k, -INFINITY);
+                    }
+                }
+                float * kmn = kb.data() + (size_t) lt*2*per_k;
+                float * kmx = kmn + per_k;
                 for (size_t d = 0; d < per_k; ++d) {
-                    dst[d] += src[d];
+                    kmn[d] = std::min(kmn[d], src[d]);
+                    kmx[d] = std::max(kmx[d], src[d]);
                 }
             }
         }
@@ -685,70 +695,58 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id) {
     std::vector<std::pair<float, int32_t>> ranked;
     uint32_t query_tokens = 0;
     if (kp.method == LLAMA_KVMEM_METHOD_RETRIEVAL && !st.q.empty()) {
-        // query: mean pre-RoPE Q over the last tokens, grouped to KV heads, normalized per (layer, head)
+        // Quest-style upper bound: per block/layer/KV head the element-wise min and max of the pre-RoPE keys
+        // bound q.k for any key of the block by sum_d max(q_d*kmin_d, q_d*kmax_d). Each query token and query
+        // head of the group is scored on its own (unit-normalized) and the max is kept, so one sharp query
+        // token is enough; heads differ in scale, so scores are z-normalized per (layer, head) across the
+        // candidates, and the block's score is the mean of its top few heads: retrieval is carried by few heads.
         query_tokens = st.q.size();
-        std::vector<float> q((size_t) n_lt*per_k, 0.0f);
+        std::vector<std::vector<float>> qn;
+        qn.reserve(st.q.size());
         for (const auto & row : st.q) {
-            for (uint32_t lt = 0; lt < n_lt; ++lt) {
-                for (uint32_t h = 0; h < n_head; ++h) {
-                    const float * src = row.data() + lt*per_q + (size_t) h*head_dim;
-                    float * dst = q.data() + lt*per_k + (size_t) (h/group)*head_dim;
-                    for (uint32_t d = 0; d < head_dim; ++d) {
-                        dst[d] += src[d];
-                    }
+            std::vector<float> r(row);
+            for (size_t o = 0; o < r.size(); o += head_dim) {
+                double n2 = 0.0;
+                for (uint32_t d = 0; d < head_dim; ++d) {
+                    n2 += (double) r[o + d]*r[o + d];
+                }
+                const float inv = n2 > 0.0 ? (float) (1.0/std::sqrt(n2)) : 0.0f;
+                for (uint32_t d = 0; d < head_dim; ++d) {
+                    r[o + d] *= inv;
                 }
             }
+            qn.push_back(std::move(r));
         }
-        for (size_t o = 0; o < q.size(); o += head_dim) {
-            double n2 = 0.0;
-            for (uint32_t d = 0; d < head_dim; ++d) {
-                n2 += (double) q[o + d]*q[o + d];
-            }
-            const float inv = n2 > 0.0 ? (float) (1.0/std::sqrt(n2)) : 0.0f;
-            for (uint32_t d = 0; d < head_dim; ++d) {
-                q[o + d] *= inv;
-            }
-        }
-        // keys share a large common direction per (layer, head); center the block means on the
-        // mean over all blocks of the sequence so the cosine sees what makes a block different
-        std::vector<double> mu((size_t) n_lt*per_k, 0.0);
-        uint32_t n_mu = 0;
-        for (auto & [b, hb] : st.blocks) {
-            auto kit = st.ksum.find(b);
-            if (kit == st.ksum.end()) {
-                continue;
-            }
-            for (size_t i = 0; i < mu.size(); ++i) {
-                mu[i] += kit->second[i];
-            }
-            n_mu++;
-        }
-        for (auto & m : mu) {
-            m /= std::max<uint32_t>(n_mu, 1);
-        }
-        // per (layer, head) cosine of the query with each candidate's centered mean key; heads differ in
-        // scale and offset, so each head's scores are z-normalized across the candidates before averaging
         const size_t n_lh = (size_t) n_lt*n_head_kv;
         std::vector<int32_t> cand;
         std::vector<float> cs; // [cand][n_lh]
         for (auto & [b, hb] : st.blocks) {
-            if (target.count(b) || !st.ksum.count(b)) {
+            if (target.count(b) || !st.kbox.count(b)) {
                 continue;
             }
-            const auto & ks = st.ksum.at(b);
+            const auto & kb = st.kbox.at(b);
             cand.push_back(b);
-            for (size_t o = 0; o < ks.size(); o += head_dim) {
-                double dot = 0.0, n2 = 0.0;
-                for (uint32_t d = 0; d < head_dim; ++d) {
-                    const double kc = (double) ks[o + d] - mu[o + d];
-                    dot += (double) q[o + d]*kc;
-                    n2  += kc*kc;
+            for (uint32_t lt = 0; lt < n_lt; ++lt) {
+                for (uint32_t hk = 0; hk < n_head_kv; ++hk) {
+                    const float * kmn = kb.data() + (size_t) lt*2*per_k + (size_t) hk*head_dim;
+                    const float * kmx = kmn + per_k;
+                    float best = -INFINITY;
+                    for (const auto & row : qn) {
+                        for (uint32_t h = hk*group; h < (hk + 1)*group; ++h) {
+                            const float * qq = row.data() + lt*per_q + (size_t) h*head_dim;
+                            float acc = 0.0f;
+                            for (uint32_t d = 0; d < head_dim; ++d) {
+                                acc += std::max(qq[d]*kmn[d], qq[d]*kmx[d]);
+                            }
+                            best = std::max(best, acc);
+                        }
+                    }
+                    cs.push_back(best);
                 }
-                cs.push_back(n2 > 0.0 ? (float) (dot/std::sqrt(n2)) : 0.0f);
             }
         }
         const size_t nc = cand.size();
-        std::vector<double> score(nc, 0.0);
+        std::vector<float> zs(nc*n_lh, 0.0f);
         for (size_t j = 0; j < n_lh && nc > 1; ++j) {
             double m = 0.0, v = 0.0;
             for (size_t c = 0; c < nc; ++c) {
@@ -761,11 +759,18 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id) {
             }
             const double sd = std::sqrt(v/nc) + 1e-6;
             for (size_t c = 0; c < nc; ++c) {
-                score[c] += (cs[c*n_lh + j] - m)/sd;
+                zs[c*n_lh + j] = (float) ((cs[c*n_lh + j] - m)/sd);
             }
         }
+        const size_t top = std::max<size_t>(1, std::min<size_t>(KVMEM_TOP_HEADS, n_lh));
         for (size_t c = 0; c < nc; ++c) {
-            ranked.push_back({ (float) (score[c]/(double) n_lh), cand[c] });
+            float * zc = zs.data() + c*n_lh;
+            std::partial_sort(zc, zc + top, zc + n_lh, std::greater<float>());
+            double sc = 0.0;
+            for (size_t j = 0; j < top; ++j) {
+                sc += zc[j];
+            }
+            ranked.push_back({ (float) (sc/(double) top), cand[c] });
         }
         std::sort(ranked.begin(), ranked.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
     } else {

@@ -8,8 +8,9 @@
 // working set is just a seq_rm on its cells. Cells keep the token's original
 // position: the KQ mask is built from positions, so a working set with holes is
 // valid attention (no re-RoPE). Before each new turn the blocks of the sequence
-// are scored against the turn's query (mean pre-RoPE Q vs. mean pre-RoPE K per
-// block, layer and KV head) and the working set becomes sink + recent + top-k.
+// are scored against the turn's query (Quest-style upper bound of the last query
+// tokens' pre-RoPE Q against each block's element-wise pre-RoPE K min/max, per
+// layer and KV head) and the working set becomes sink + recent + top-k.
 //
 // Because it *is* a llama_kv_cache and its contexts are llama_kv_cache_context,
 // all model graph builders stay unchanged.
@@ -99,7 +100,7 @@ private:
 
     struct seq_state {
         std::map<int32_t, hblock> blocks;                   // completed blocks on the host, by block index
-        std::map<int32_t, std::vector<float>> ksum;          // [n_lt][n_head_kv][head_dim] key sums, by block index
+        std::map<int32_t, std::vector<float>> kbox;          // [n_lt][2][n_head_kv][head_dim] element-wise key min, max
         std::deque<std::vector<float>> q;                   // last query rows [n_lt][n_head][head_dim]
         int32_t next_host = 0;                              // first block index not yet on the host
         int64_t n_select = 0;
