@@ -43,7 +43,8 @@ class BenchResult:
     host_rss_peak_mib: float
     select_ms: list[float] = field(default_factory=list)
     staged_in_blocks: list[int] = field(default_factory=list)
-    stage_in_gbps: list[float] = field(default_factory=list)  # staged bytes / (selection + stage-in time)
+    stage_ms: list[float] = field(default_factory=list)  # the stage-in part of each selection
+    stage_in_gbps: list[float] = field(default_factory=list)  # staged bytes / stage-in time
     wall_s: float = 0.0
     error: str | None = None
 
@@ -150,7 +151,13 @@ def run_one(server: Path, model: Path, config: str, context: int, server_args: l
         if select:
             result.select_ms.append(float(select["ms"]))
             result.staged_in_blocks.append(int(select["staged_in"]))
-            if block_bytes and select["staged_in"] and select["ms"] > 0:
+            if "stage_ms" in select and "stage_mib" in select:
+                # engines that time the copies themselves (the bytes moved are the cache type's)
+                result.stage_ms.append(float(select["stage_ms"]))
+                if select["staged_in"] and select["stage_ms"] > 0:
+                    gbps = float(select["stage_mib"]) * 2**20 / (float(select["stage_ms"]) / 1000) / 1e9
+                    result.stage_in_gbps.append(round(gbps, 2))
+            elif block_bytes and select["staged_in"] and select["ms"] > 0:
                 gbps = select["staged_in"] * block_bytes / (select["ms"] / 1000) / 1e9
                 result.stage_in_gbps.append(round(gbps, 2))
     result.peak_vram_mib = sampler.peak_vram
@@ -171,14 +178,15 @@ def load_results(path: Path) -> list[dict]:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| config | context | prefill tok/s | decode tok/s | peak VRAM MiB | KV buffer MiB | host RSS MiB "
-            "| select ms (turns) | note |\n|---|---:|---:|---:|---:|---:|---:|---|---|\n")
+            "| select ms (turns) | stage-in GB/s | note |\n|---|---:|---:|---:|---:|---:|---:|---|---|---|\n")
     lines = []
     for r in sorted(rows, key=lambda r: (r["context"], r["config"])):
         sel = ", ".join(f"{ms:.1f}" for ms in r.get("select_ms", [])[-2:]) or "-"
         vram = f"{r['peak_vram_mib']:.0f}" if r.get("peak_vram_mib") else "-"
         note = (r.get("error") or "")[:60]
+        gbps = ", ".join(f"{g:.1f}" for g in r.get("stage_in_gbps", [])[-2:]) or "-"
         lines.append(f"| {r['config']} | {r['context']:,} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | {vram} | "
-                     f"{r['kv_buffer_mib']:.0f} | {r['host_rss_peak_mib']:.0f} | {sel} | {note} |")
+                     f"{r['kv_buffer_mib']:.0f} | {r['host_rss_peak_mib']:.0f} | {sel} | {gbps} | {note} |")
     return head + "\n".join(lines) + "\n"
 
 

@@ -1,9 +1,16 @@
 """Parse the engine's stable `kvmem_score:` log lines (see design notes, section 4).
 
     kvmem_score: ARMED blocks=.. block_tokens=.. layers=.. kv_heads=.. head_dim=.. budget_blocks=..
-    kvmem_score: SELECT seq=.. n_blocks=.. budget_blocks=.. sink=.. recent=.. scored=.. staged_in=..
+    kvmem_score: SELECT seq=.. n_blocks=.. budget_blocks=.. share=.. sink=.. recent=.. scored=.. staged_in=..
                  staged_out=.. reused=.. query_tokens=.. ms=..
+    kvmem_score: FOLLOW seq=.. n_blocks=.. staged_in=.. staged_out=.. resident=.. target_resident=.. common=..
+    kvmem_score: DRAFT follows the target's selection: blocks=.. layers=.. host_mib=..
     kvmem_score: DISABLED (<reason>)
+
+SELECT is a selection of the blocks of one sequence (at a prompt's end, or a refresh during
+generation); `share` is the sequence's part of the budget in blocks when parallel sequences share
+it. FOLLOW is an MTP draft context bringing its resident blocks in line with the target's;
+DRAFT announces such a follower.
 
 Each parse function takes one line (any prefix, e.g. llama.cpp's log prefix, is allowed) and
 returns a dict, or None when the line is not that event. The launcher's readiness self-test
@@ -19,7 +26,9 @@ ARMED_KEYS = ("blocks", "block_tokens", "layers", "kv_heads", "head_dim", "budge
 SELECT_KEYS = ("seq", "n_blocks", "budget_blocks", "sink", "recent", "scored", "staged_in",
                "staged_out", "reused", "query_tokens", "ms")
 
-_EVENT = re.compile(r"kvmem_score:\s+(?P<event>ARMED|SELECT|DISABLED)\b\s*(?P<rest>.*?)\s*$")
+FOLLOW_KEYS = ("seq", "n_blocks", "staged_in", "staged_out", "resident", "target_resident", "common")
+
+_EVENT = re.compile(r"kvmem_score:\s+(?P<event>ARMED|SELECT|FOLLOW|DRAFT|DISABLED)\b\s*(?P<rest>.*?)\s*$")
 _PAIR = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>\S+)")
 _DISABLED = re.compile(r"^\((?P<reason>.*)\)$")
 
@@ -69,6 +78,25 @@ def parse_select(line: str) -> dict | None:
     return {"event": "SELECT", **fields}
 
 
+def parse_follow(line: str) -> dict | None:
+    """`{"event": "FOLLOW", "seq": int, "resident": int, "target_resident": int, "common": int, ...}`."""
+    rest = _event(line, "FOLLOW")
+    if rest is None:
+        return None
+    fields = _pairs(rest)
+    if any(key not in fields for key in FOLLOW_KEYS):
+        return None
+    return {"event": "FOLLOW", **fields}
+
+
+def parse_draft(line: str) -> dict | None:
+    """`{"event": "DRAFT", "blocks": int, "layers": int, ...}`: an MTP draft context follows the target."""
+    rest = _event(line, "DRAFT")
+    if rest is None:
+        return None
+    return {"event": "DRAFT", **_pairs(rest)}
+
+
 def parse_disabled(line: str) -> dict | None:
     """`{"event": "DISABLED", "reason": str}`."""
     rest = _event(line, "DISABLED")
@@ -82,7 +110,8 @@ def parse_line(line: str) -> dict | None:
     """Whichever kvmem_score event the line carries, or None."""
     if "kvmem_score:" not in line:
         return None
-    return parse_armed(line) or parse_select(line) or parse_disabled(line)
+    return (parse_armed(line) or parse_select(line) or parse_follow(line) or parse_draft(line)
+            or parse_disabled(line))
 
 
 def iter_events(lines: Iterable[str] | str) -> Iterator[dict]:
@@ -97,6 +126,10 @@ def iter_events(lines: Iterable[str] | str) -> Iterator[dict]:
 
 def selects(lines: Iterable[str] | str) -> list[dict]:
     return [e for e in iter_events(lines) if e["event"] == "SELECT"]
+
+
+def follows(lines: Iterable[str] | str) -> list[dict]:
+    return [e for e in iter_events(lines) if e["event"] == "FOLLOW"]
 
 
 def tiering_state(lines: Iterable[str] | str) -> str:

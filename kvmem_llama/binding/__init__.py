@@ -80,6 +80,7 @@ class KvmemConfig:
     query_tokens: int = 32
     host_mib: int = 0  # 0 = sized for the whole context
     method: str = "retrieval"  # or "recency"
+    refresh: int = 128  # re-select every N generated tokens; 0 = off
     trace: bool = False
 
     def apply(self, cparams) -> None:
@@ -93,6 +94,7 @@ class KvmemConfig:
         cparams.kvmem_query_tokens = self.query_tokens
         cparams.kvmem_host_mib = self.host_mib
         cparams.kvmem_method = KVMEM_METHODS[self.method]
+        cparams.kvmem_refresh = self.refresh
         cparams.kvmem_trace = self.trace
 
 

@@ -93,6 +93,7 @@ struct llama_context_params {
     int32_t kvmem_query_tokens;
     int32_t kvmem_host_mib;
     int32_t kvmem_method;
+    int32_t kvmem_refresh;
     bool kvmem_trace;
 };
 

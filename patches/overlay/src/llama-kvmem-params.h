@@ -16,8 +16,11 @@ struct llama_kvmem_params {
     uint32_t recent       = 256; // newest tokens that always stay resident (rounded up to blocks)
     uint32_t gen_reserve  = 256; // extra cells for generated tokens / the partial tail
     uint32_t query_tokens = 32;  // last N tokens of a turn that form the query
+    uint32_t refresh      = 128; // re-select every N generated tokens (query = the recent tokens), 0 = off
     uint32_t host_mib     = 0;   // host pool cap in MiB, 0 = enough for the whole context
     int32_t  method       = LLAMA_KVMEM_METHOD_RETRIEVAL;
     bool     trace        = false;
+
+    class llama_kvmem_cache * leader = nullptr; // MTP draft contexts: the target's tiered cache to follow
 };
 

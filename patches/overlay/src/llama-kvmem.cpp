@@ -8,6 +8,9 @@
 #include "llama-graph.h"
 #include "llama-model.h"
 #include "llama-context.h"
+#include "llama-io.h"
+#include "llama-memory-hybrid.h"
+#include "llama-memory-recurrent.h"
 
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
@@ -19,11 +22,42 @@
 #include <limits>
 #include <set>
 #include <stdexcept>
+#include <thread>
 
 // blocks are ranked by the mean of their few best (layer, KV head) scores
 static constexpr size_t KVMEM_TOP_HEADS = 4;
 
 static uint32_t div_up(uint32_t a, uint32_t b) { return (a + b - 1)/b; }
+
+// max over query rows and the heads of a GQA group of dot(q, kb), all rows of length n;
+// row r, head g starts at q0 + r*row_stride + g*n. Built for AVX2+FMA too on x86-64 (picked at run time).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+static float kvmem_bound_max(const float * q0, size_t row_stride, size_t n_rows, uint32_t group, const float * kb, size_t n) {
+    float best = -INFINITY;
+    for (size_t r = 0; r < n_rows; ++r) {
+        for (uint32_t g = 0; g < group; ++g) {
+            const float * q = q0 + r*row_stride + (size_t) g*n;
+            float acc[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+            size_t d = 0;
+            for (; d + 8 <= n; d += 8) {
+                for (int j = 0; j < 8; ++j) {
+                    acc[j] += q[d + j]*kb[d + j];
+                }
+            }
+            float sum = 0.0f;
+            for (; d < n; ++d) {
+                sum += q[d]*kb[d];
+            }
+            for (int j = 0; j < 8; ++j) {
+                sum += acc[j];
+            }
+            best = std::max(best, sum);
+        }
+    }
+    return best;
+}
 
 //
 // graph hook
@@ -96,12 +130,10 @@ std::string llama_kvmem_cache::check(const llama_model & model, const llama_cpar
     if (!cparams.kv_unified && cparams.n_seq_max > 1) {
         return "parallel sequences need a unified KV cache (--kv-unified)";
     }
-    if (hp.n_pos_per_embd() > 1) {
-        return "M-RoPE models are not tiered yet";
-    }
+    // M-RoPE (qwen35): cells keep all position components (pos + ext), so staged blocks keep them too
     uint32_t n_attn = 0;
     for (uint32_t il = 0; il < hp.n_layer(); ++il) {
-        if (!hp.has_kv(il)) {
+        if (!hp.has_kv(il) || hp.is_recr(il)) {
             continue;
         }
         n_attn++;
@@ -120,7 +152,16 @@ std::string llama_kvmem_cache::check(const llama_model & model, const llama_cpar
 }
 
 llama_kvmem_cache * llama_kvmem_cache::from(llama_memory_i * mem) {
-    return mem ? dynamic_cast<llama_kvmem_cache *>(mem) : nullptr;
+    if (!mem) {
+        return nullptr;
+    }
+    if (auto * km = dynamic_cast<llama_kvmem_cache *>(mem)) {
+        return km;
+    }
+    if (auto * hy = dynamic_cast<llama_memory_hybrid *>(mem)) {
+        return dynamic_cast<llama_kvmem_cache *>(hy->get_mem_attn());
+    }
+    return nullptr;
 }
 
 llama_kvmem_cache::llama_kvmem_cache(
@@ -131,9 +172,10 @@ llama_kvmem_cache::llama_kvmem_cache(
         uint32_t n_seq_max,
         uint32_t n_ctx_total,
         const llama_kvmem_params & kp_in,
-        const layer_filter_cb & filter) :
+        const layer_filter_cb & filter,
+        llama_kvmem_cache * target) :
     llama_kv_cache(model, model.hparams, type_k, type_v, /*v_trans*/ false, offload, /*unified*/ true,
-            kp_in.budget + kp_in.gen_reserve, n_seq_max, 1, 0, LLAMA_SWA_TYPE_NONE, nullptr, filter, nullptr, nullptr, "kvmem"),
+            kp_in.budget + kp_in.gen_reserve*std::max<uint32_t>(1, n_seq_max), n_seq_max, 1, 0, LLAMA_SWA_TYPE_NONE, nullptr, filter, nullptr, nullptr, "kvmem"),
     kp(kp_in) {
     const auto & hp = model.hparams;
     const uint32_t B = kp.block;
@@ -152,6 +194,28 @@ llama_kvmem_cache::llama_kvmem_cache(
         row_v.push_back(layers[i].v ? layers[i].v->nb[1] : 0);
         block_bytes += (size_t) B*(row_k.back() + row_v.back());
     }
+    // one backend (own stream) per device holding tiered layers: host<->device block copies are
+    // issued asynchronously and waited for once per batch of copies
+    copy_backend.assign(n_lt, nullptr);
+    for (uint32_t i = 0; i < n_lt; ++i) {
+        ggml_backend_buffer_t kbuf = layers[i].k->buffer;
+        ggml_backend_dev_t dev = kbuf ? ggml_backend_buft_get_device(ggml_backend_buffer_get_type(kbuf)) : nullptr;
+        if (!dev || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU || ggml_backend_buffer_is_host(kbuf)) {
+            continue;
+        }
+        auto it = std::find_if(copy_backends.begin(), copy_backends.end(),
+                [dev](ggml_backend_t be) { return ggml_backend_get_device(be) == dev; });
+        if (it == copy_backends.end()) {
+            ggml_backend_t be = ggml_backend_dev_init(dev, nullptr);
+            if (!be) {
+                continue;
+            }
+            copy_backends.push_back(be);
+            it = copy_backends.end() - 1;
+        }
+        copy_backend[i] = *it;
+    }
+
     const uint32_t il0 = n_lt ? layers[0].il : 0;
     n_head    = hp.n_head(il0);
     n_head_kv = hp.n_head_kv(il0);
@@ -190,14 +254,31 @@ llama_kvmem_cache::llama_kvmem_cache(
     }
 
     const double host_mib = (double) host_slots*block_bytes/1024.0/1024.0;
-    LLAMA_LOG_WARN("kvmem_score: ARMED blocks=%u block_tokens=%u layers=%u kv_heads=%u head_dim=%u budget_blocks=%u host_mib=%.0f\n",
-            host_slots, B, n_lt, n_head_kv, head_dim, budget_blocks, std::ceil(host_mib));
-    LLAMA_LOG_INFO("%s: GPU working set %u cells (budget %u + gen reserve %u), sink %u block(s), recent %u block(s), method %s, host pool %s\n",
-            __func__, kp.budget + kp.gen_reserve, kp.budget, kp.gen_reserve, sink_blocks, recent_blocks,
+    if (target) {
+        set_leader(target);
+        LLAMA_LOG_WARN("kvmem_score: DRAFT follows the target's selection: blocks=%u layers=%u host_mib=%.0f\n",
+                host_slots, n_lt, std::ceil(host_mib));
+    } else {
+        LLAMA_LOG_WARN("kvmem_score: ARMED blocks=%u block_tokens=%u layers=%u kv_heads=%u head_dim=%u budget_blocks=%u host_mib=%.0f\n",
+                host_slots, B, n_lt, n_head_kv, head_dim, budget_blocks, std::ceil(host_mib));
+    }
+    LLAMA_LOG_INFO("%s: GPU working set %u cells (budget %u + gen reserve %u x %u sequences), sink %u block(s), recent %u block(s), method %s, host pool %s\n",
+            __func__, get_size(), kp.budget, kp.gen_reserve, std::max<uint32_t>(1, n_seq_max), sink_blocks, recent_blocks,
             kp.method == LLAMA_KVMEM_METHOD_RECENCY ? "recency" : "retrieval", ggml_backend_buft_name(buft));
 }
 
 llama_kvmem_cache::~llama_kvmem_cache() {
+    for (auto * f : followers) {
+        f->leader = nullptr;
+    }
+    if (leader) {
+        auto & fs = leader->followers;
+        fs.erase(std::remove(fs.begin(), fs.end(), this), fs.end());
+    }
+    copies_wait();
+    for (auto * be : copy_backends) {
+        ggml_backend_free(be);
+    }
     if (host_buf) {
         ggml_backend_buffer_free(host_buf);
     }
@@ -224,10 +305,7 @@ private:
 llama_memory_context_ptr llama_kvmem_cache::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {
     GGML_UNUSED(embd_all);
 
-    // a ubatch must fit next to the sink and one block of history
-    const uint32_t size = get_size();
-    const uint32_t keep = (sink_blocks + 1)*kp.block;
-    const uint32_t n_ub = std::max<uint32_t>(1, std::min<uint32_t>(n_ubatch, size > keep ? size - keep : 1));
+    const uint32_t n_ub = max_ubatch(n_ubatch);
 
     balloc.split_reset();
     std::vector<llama_ubatch> ubatches;
@@ -243,6 +321,50 @@ llama_memory_context_ptr llama_kvmem_cache::init_batch(llama_batch_allocr & ball
     }
     slot_info_vec_t sinfos(ubatches.size());
     return std::make_unique<llama_kvmem_context>(this, std::move(sinfos), std::move(ubatches));
+}
+
+void llama_kvmem_cache::upload(uint32_t lt, ggml_tensor * t, const void * src, size_t offset, size_t size) {
+    if (copy_backend[lt]) {
+        ggml_backend_tensor_set_async(copy_backend[lt], t, src, offset, size);
+        copies_pending = true;
+    } else {
+        ggml_backend_tensor_set(t, src, offset, size);
+    }
+}
+
+void llama_kvmem_cache::download(uint32_t lt, ggml_tensor * t, void * dst, size_t offset, size_t size) {
+    if (copy_backend[lt]) {
+        ggml_backend_tensor_get_async(copy_backend[lt], t, dst, offset, size);
+        copies_pending = true;
+    } else {
+        ggml_backend_tensor_get(t, dst, offset, size);
+    }
+}
+
+void llama_kvmem_cache::copies_wait() {
+    if (copies_pending) {
+        for (auto * be : copy_backends) {
+            ggml_backend_synchronize(be);
+        }
+        copies_pending = false;
+    }
+}
+
+uint32_t llama_kvmem_cache::max_ubatch(uint32_t n_ubatch) const {
+    const uint32_t size = get_size();
+    const uint32_t keep = (sink_blocks + 1)*kp.block;
+    return std::max<uint32_t>(1, std::min<uint32_t>(n_ubatch, size > keep ? size - keep : 1));
+}
+
+bool llama_kvmem_cache::may_stage(uint32_t n_new) const {
+    for (const auto & [s, st] : seqs) {
+        for (const auto & [b, hb] : st.blocks) {
+            if (!hb.resident) {
+                return true;
+            }
+        }
+    }
+    return v_cells[0].get_used() + n_new > v_cells[0].size();
 }
 
 uint32_t llama_kvmem_cache::n_resident_blocks() const {
@@ -351,6 +473,7 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
             while (!staged && evict_one(seq_id)) {
                 staged = stage_in(seq_id, bl, bit->second);
             }
+            copies_wait();
             if (!staged) {
                 LLAMA_LOG_WARN("%s: kvmem: could not bring back block %d of seq %d\n", __func__, bl, seq_id);
             }
@@ -417,11 +540,12 @@ bool llama_kvmem_cache::evict_one(llama_seq_id prefer_seq) {
             if (!hb.resident || (uint32_t) b < sink_blocks) {
                 continue;
             }
-            // unpinned before pinned, oldest first
-            if (best_b < 0 || (!hb.pinned && best_pinned) || (hb.pinned == best_pinned && b < best_b)) {
+            // unpinned before pinned, oldest first (a follower counts the target's resident blocks as pinned)
+            const bool pinned = hb.pinned || (leader && resident_in_leader(s, b));
+            if (best_b < 0 || (!pinned && best_pinned) || (pinned == best_pinned && b < best_b)) {
                 best_s = s;
                 best_b = b;
-                best_pinned = hb.pinned;
+                best_pinned = pinned;
             }
         }
     }
@@ -438,6 +562,7 @@ bool llama_kvmem_cache::evict_one(llama_seq_id prefer_seq) {
 
 bool llama_kvmem_cache::prepare_ubatch(const llama_ubatch & ubatch, slot_info & sinfo) {
     const int32_t B = kp.block;
+    copies_wait();
 
     // the host pool must take every block this ubatch completes (write-through)
     {
@@ -528,9 +653,9 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
                 while (t + r < B && idx[t + r] == idx[t] + r) {
                     r++;
                 }
-                ggml_backend_tensor_get(layers[lt].k, dk + (size_t) t*row_k[lt], (size_t) idx[t]*row_k[lt], (size_t) r*row_k[lt]);
+                download(lt, layers[lt].k, dk + (size_t) t*row_k[lt], (size_t) idx[t]*row_k[lt], (size_t) r*row_k[lt]);
                 if (layers[lt].v) {
-                    ggml_backend_tensor_get(layers[lt].v, dv + (size_t) t*row_v[lt], (size_t) idx[t]*row_v[lt], (size_t) r*row_v[lt]);
+                    download(lt, layers[lt].v, dv + (size_t) t*row_v[lt], (size_t) idx[t]*row_v[lt], (size_t) r*row_v[lt]);
                 }
                 t += r;
             }
@@ -538,6 +663,7 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
         }
         st.blocks.emplace(b, std::move(hb));
     }
+    copies_wait();
     st.next_host = std::max(st.next_host, done);
 }
 
@@ -565,9 +691,9 @@ bool llama_kvmem_cache::stage_in(llama_seq_id seq_id, int32_t b, hblock & hb) {
             while (t + r < B && idx[t + r] == idx[t] + r) {
                 r++;
             }
-            ggml_backend_tensor_set(layers[lt].k, sk + (size_t) t*row_k[lt], (size_t) idx[t]*row_k[lt], (size_t) r*row_k[lt]);
+            upload(lt, layers[lt].k, sk + (size_t) t*row_k[lt], (size_t) idx[t]*row_k[lt], (size_t) r*row_k[lt]);
             if (layers[lt].v) {
-                ggml_backend_tensor_set(layers[lt].v, sv + (size_t) t*row_v[lt], (size_t) idx[t]*row_v[lt], (size_t) r*row_v[lt]);
+                upload(lt, layers[lt].v, sv + (size_t) t*row_v[lt], (size_t) idx[t]*row_v[lt], (size_t) r*row_v[lt]);
             }
             t += r;
         }
@@ -596,7 +722,7 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
     std::vector<float> buf;
 
     // block key boxes (element-wise pre-RoPE min/max); a recomputed tail changes nothing
-    if (!in_redecode) {
+    if (!in_redecode && !leader) {
         for (uint32_t lt = 0; lt < n_lt; ++lt) {
             const uint32_t il = layers[lt].il;
             ggml_tensor * t = il < res->t_kvmem_k.size() ? res->t_kvmem_k[il] : nullptr;
@@ -610,24 +736,28 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
                 const float * src = buf.data() + i*per_k;
                 auto & kb = seqs[s].kbox[ubatch.pos[i]/B];
                 if (kb.empty()) {
+                    // layout [layer][kv head][max | min][head_dim]: one contiguous row per (layer, head)
                     kb.resize((size_t) n_lt*2*per_k);
-                    for (size_t o = 0; o < kb.size(); o += 2*per_k) {
-                        std::fill(kb.begin() + o,         kb.begin() + o + per_k,   INFINITY);
-                        std::fill(kb.begin() + o + per_k, kb.begin() + o + 2*per_k, -INFINITY);
+                    for (size_t o = 0; o < kb.size(); o += 2*head_dim) {
+                        std::fill(kb.begin() + o,            kb.begin() + o + head_dim,   -INFINITY);
+                        std::fill(kb.begin() + o + head_dim, kb.begin() + o + 2*head_dim, INFINITY);
                     }
                 }
-                float * kmn = kb.data() + (size_t) lt*2*per_k;
-                float * kmx = kmn + per_k;
-                for (size_t d = 0; d < per_k; ++d) {
-                    kmn[d] = std::min(kmn[d], src[d]);
-                    kmx[d] = std::max(kmx[d], src[d]);
+                for (uint32_t hk = 0; hk < n_head_kv; ++hk) {
+                    float * kmx = kb.data() + ((size_t) lt*n_head_kv + hk)*2*head_dim;
+                    float * kmn = kmx + head_dim;
+                    const float * sh = src + (size_t) hk*head_dim;
+                    for (uint32_t d = 0; d < head_dim; ++d) {
+                        kmx[d] = std::max(kmx[d], sh[d]);
+                        kmn[d] = std::min(kmn[d], sh[d]);
+                    }
                 }
             }
         }
     }
 
     // query rows: the last tokens of this ubatch
-    if (kp.method == LLAMA_KVMEM_METHOD_RETRIEVAL && n_lt > 0) {
+    if (kp.method == LLAMA_KVMEM_METHOD_RETRIEVAL && n_lt > 0 && !leader) {
         const uint32_t il0 = layers[0].il;
         ggml_tensor * t0 = il0 < res->t_kvmem_q.size() ? res->t_kvmem_q[il0] : nullptr;
         if (t0 && (size_t) (t0->ne[0]*t0->ne[1]) == per_q) {
@@ -670,13 +800,25 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id) {
     }
     const int64_t t_start = ggml_time_us();
     auto & st = it->second;
-    const size_t per_k = (size_t) n_head_kv*head_dim;
-    const size_t per_q = (size_t) n_head*head_dim;
     const uint32_t group = n_head/n_head_kv;
 
     const int32_t n_blocks = st.blocks.rbegin()->first + 1;
     // one block of the budget is kept for the partial tail
-    const uint32_t avail = budget_blocks > 1 ? budget_blocks - 1 : 1;
+    // parallel sequences share the budget: each active one (holding resident blocks) gets an equal part
+    uint32_t n_active = 1;
+    for (const auto & [s2, st2] : seqs) {
+        if (s2 == seq_id) {
+            continue;
+        }
+        for (const auto & [b, hb] : st2.blocks) {
+            if (hb.resident) {
+                n_active++;
+                break;
+            }
+        }
+    }
+    const uint32_t share = std::max<uint32_t>(sink_blocks + recent_blocks + 2, budget_blocks/n_active);
+    const uint32_t avail = std::min(budget_blocks, share) - 1;
 
     std::set<int32_t> target;
     uint32_t n_sink = 0, n_recent = 0, n_scored = 0;
@@ -700,49 +842,68 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id) {
         // head of the group is scored on its own (unit-normalized) and the max is kept, so one sharp query
         // token is enough; heads differ in scale, so scores are z-normalized per (layer, head) across the
         // candidates, and the block's score is the mean of its top few heads: retrieval is carried by few heads.
+        // q.k <= sum_d max(q_d*kmin_d, q_d*kmax_d) = [q+ | q-] . [kmax | kmin]: one dot product of 2*head_dim
+        // per (query row, query head, block, layer, KV head), vectorised, candidates split over threads
         query_tokens = st.q.size();
-        std::vector<std::vector<float>> qn;
-        qn.reserve(st.q.size());
+        const size_t hd2 = 2*(size_t) head_dim;
+        const size_t row_stride = (size_t) n_lt*n_head*hd2;
+        std::vector<float> qpm(query_tokens*row_stride);
+        size_t r = 0;
         for (const auto & row : st.q) {
-            std::vector<float> r(row);
-            for (size_t o = 0; o < r.size(); o += head_dim) {
+            for (size_t lh = 0; lh < (size_t) n_lt*n_head; ++lh) {
+                const float * q = row.data() + lh*head_dim;
                 double n2 = 0.0;
                 for (uint32_t d = 0; d < head_dim; ++d) {
-                    n2 += (double) r[o + d]*r[o + d];
+                    n2 += (double) q[d]*q[d];
                 }
                 const float inv = n2 > 0.0 ? (float) (1.0/std::sqrt(n2)) : 0.0f;
+                float * out = qpm.data() + r*row_stride + lh*hd2;
                 for (uint32_t d = 0; d < head_dim; ++d) {
-                    r[o + d] *= inv;
+                    out[d]            = std::max(q[d]*inv, 0.0f);
+                    out[head_dim + d] = std::min(q[d]*inv, 0.0f);
                 }
             }
-            qn.push_back(std::move(r));
+            r++;
         }
         const size_t n_lh = (size_t) n_lt*n_head_kv;
         std::vector<int32_t> cand;
-        std::vector<float> cs; // [cand][n_lh]
+        std::vector<const float *> cand_kb;
         for (auto & [b, hb] : st.blocks) {
-            if (target.count(b) || !st.kbox.count(b)) {
+            const auto kit = st.kbox.find(b);
+            if (target.count(b) || kit == st.kbox.end()) {
                 continue;
             }
-            const auto & kb = st.kbox.at(b);
             cand.push_back(b);
-            for (uint32_t lt = 0; lt < n_lt; ++lt) {
-                for (uint32_t hk = 0; hk < n_head_kv; ++hk) {
-                    const float * kmn = kb.data() + (size_t) lt*2*per_k + (size_t) hk*head_dim;
-                    const float * kmx = kmn + per_k;
-                    float best = -INFINITY;
-                    for (const auto & row : qn) {
-                        for (uint32_t h = hk*group; h < (hk + 1)*group; ++h) {
-                            const float * qq = row.data() + lt*per_q + (size_t) h*head_dim;
-                            float acc = 0.0f;
-                            for (uint32_t d = 0; d < head_dim; ++d) {
-                                acc += std::max(qq[d]*kmn[d], qq[d]*kmx[d]);
-                            }
-                            best = std::max(best, acc);
-                        }
+            cand_kb.push_back(kit->second.data());
+        }
+        std::vector<float> cs(cand.size()*n_lh); // [cand][n_lh]
+        auto score_range = [&](size_t c0, size_t c1) {
+            for (size_t c = c0; c < c1; ++c) {
+                for (uint32_t lt = 0; lt < n_lt; ++lt) {
+                    for (uint32_t hk = 0; hk < n_head_kv; ++hk) {
+                        const float * kb = cand_kb[c] + ((size_t) lt*n_head_kv + hk)*hd2;
+                        const float * q0 = qpm.data() + ((size_t) lt*n_head + (size_t) hk*group)*hd2;
+                        cs[c*n_lh + (size_t) lt*n_head_kv + hk] = kvmem_bound_max(q0, row_stride, query_tokens, group, kb, hd2);
                     }
-                    cs.push_back(best);
                 }
+            }
+        };
+        const double work = (double) cand.size()*n_lh*query_tokens*group*hd2;
+        const size_t n_threads = std::max<size_t>(1, std::min<size_t>({ (size_t) std::thread::hardware_concurrency(), 16,
+                    (size_t) (work/4e6) + 1, cand.size() }));
+        if (n_threads <= 1) {
+            score_range(0, cand.size());
+        } else {
+            std::vector<std::thread> pool;
+            const size_t per = (cand.size() + n_threads - 1)/n_threads;
+            for (size_t t = 0; t < n_threads; ++t) {
+                const size_t c0 = t*per, c1 = std::min(cand.size(), c0 + per);
+                if (c0 < c1) {
+                    pool.emplace_back(score_range, c0, c1);
+                }
+            }
+            for (auto & th : pool) {
+                th.join();
             }
         }
         const size_t nc = cand.size();
@@ -797,6 +958,7 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id) {
     }
 
     // plan as a diff: resident blocks in the target stay, others leave, missing ones come in
+    const int64_t t_stage = ggml_time_us();
     uint32_t staged_in = 0, staged_out = 0, reused = 0;
     for (auto & [b, hb] : st.blocks) {
         if (hb.resident && !target.count(b)) {
@@ -825,7 +987,15 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id) {
         staged_in++;
     }
 
+    copies_wait();
+    const double stage_ms = (ggml_time_us() - t_stage)/1000.0;
+
+    for (auto * f : followers) {
+        f->follow_leader();
+    }
+
     const double ms = (ggml_time_us() - t_start)/1000.0;
+    st.n_generated = 0;
     st.n_select++;
     st.last_ms = ms;
     n_selections++;
@@ -833,11 +1003,73 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id) {
     n_staged_out += staged_out;
     last_select_ms = ms;
 
-    LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u sink=%u recent=%u scored=%u staged_in=%u staged_out=%u reused=%u query_tokens=%u ms=%.3f\n",
-            seq_id, n_blocks, budget_blocks, n_sink, n_recent, n_scored, staged_in, staged_out, reused, query_tokens, ms);
+    LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%u staged_in=%u staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f\n",
+            seq_id, n_blocks, budget_blocks, avail + 1, n_sink, n_recent, n_scored, staged_in, staged_out, reused, query_tokens, ms,
+            stage_ms, (double) staged_in*block_bytes/1024.0/1024.0);
     publish();
 
     return staged_in > 0;
+}
+
+void llama_kvmem_cache::set_leader(llama_kvmem_cache * target) {
+    leader = target;
+    target->followers.push_back(this);
+}
+
+bool llama_kvmem_cache::resident_in_leader(llama_seq_id seq_id, int32_t b) const {
+    const auto it = leader->seqs.find(seq_id);
+    if (it == leader->seqs.end()) {
+        return false;
+    }
+    const auto bit = it->second.blocks.find(b);
+    return bit != it->second.blocks.end() && bit->second.resident;
+}
+
+void llama_kvmem_cache::follow_leader() {
+    if (!leader) {
+        return;
+    }
+    for (auto & [s, st] : seqs) {
+        uint32_t staged_in = 0, staged_out = 0, resident = 0, common = 0;
+        for (auto & [b, hb] : st.blocks) {
+            if (hb.resident && !resident_in_leader(s, b)) {
+                evict_block(s, b, hb);
+                staged_out++;
+            }
+        }
+        for (auto & [b, hb] : st.blocks) {
+            if (!hb.resident && resident_in_leader(s, b)) {
+                if (!stage_in(s, b, hb)) {
+                    break; // the partial tail / generated tokens fill the rest; the next sync retries
+                }
+                staged_in++;
+            }
+            resident += hb.resident ? 1 : 0;
+            common   += hb.resident && resident_in_leader(s, b) ? 1 : 0;
+        }
+        copies_wait();
+        if (staged_in + staged_out > 0) {
+            uint32_t target_resident = 0;
+            const auto it = leader->seqs.find(s);
+            for (const auto & [b, hb] : it == leader->seqs.end() ? std::map<int32_t, hblock>() : it->second.blocks) {
+                target_resident += hb.resident && b <= st.blocks.rbegin()->first ? 1 : 0;
+            }
+            n_staged_in  += staged_in;
+            n_staged_out += staged_out;
+            LLAMA_LOG_WARN("kvmem_score: FOLLOW seq=%d n_blocks=%zu staged_in=%u staged_out=%u resident=%u target_resident=%u common=%u\n",
+                    s, st.blocks.size(), staged_in, staged_out, resident, target_resident, common);
+        }
+    }
+    publish();
+}
+
+bool llama_kvmem_cache::count_generated(llama_seq_id seq_id, uint32_t n) {
+    auto it = seqs.find(seq_id);
+    if (kp.refresh == 0 || leader || it == seqs.end()) {
+        return false;
+    }
+    it->second.n_generated += n;
+    return it->second.n_generated >= kp.refresh;
 }
 
 void llama_kvmem_cache::publish() {
@@ -912,12 +1144,19 @@ void llama_kvmem_configure(llama_cparams & cparams, const llama_context_params &
     kp.recent       = std::max(0, params.kvmem_recent);
     kp.gen_reserve  = std::max(0, params.kvmem_gen_reserve);
     kp.query_tokens = params.kvmem_query_tokens > 0 ? params.kvmem_query_tokens : 32;
+    kp.refresh      = std::max(0, params.kvmem_refresh);
     kp.host_mib     = std::max(0, params.kvmem_host_mib);
     kp.method       = params.kvmem_method == LLAMA_KVMEM_METHOD_RECENCY ? LLAMA_KVMEM_METHOD_RECENCY : LLAMA_KVMEM_METHOD_RETRIEVAL;
     kp.trace        = params.kvmem_trace;
 
-    if (params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
-        kp.budget = 0; // draft/MTP contexts are not tiered (yet)
+    if (params.ctx_type == LLAMA_CONTEXT_TYPE_MTP) {
+        // an MTP draft context is tiered only as a follower of a tiered target context
+        kp.leader = params.ctx_other ? llama_kvmem_cache::from(llama_get_memory(params.ctx_other)) : nullptr;
+        if (!kp.leader) {
+            kp.budget = 0;
+        }
+    } else if (params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
+        kp.budget = 0;
     }
     if (kp.budget > 0) {
         const uint32_t B = kp.block;
@@ -947,69 +1186,133 @@ void llama_kvmem_check(const llama_model & model, llama_cparams & cparams) {
 
 void llama_kvmem_check_memory(llama_memory_i * mem, llama_cparams & cparams) {
     if (cparams.kvmem.budget > 0 && !llama_kvmem_cache::from(mem)) {
-        LLAMA_LOG_WARN("kvmem_score: DISABLED (%s)\n", "the model's memory is not a plain attention KV cache (SWA, hybrid or recurrent models are not tiered yet)");
+        LLAMA_LOG_WARN("kvmem_score: DISABLED (%s)\n", "the model's memory has no plain attention KV cache to tier (sliding-window and purely recurrent models are not tiered)");
         cparams.kvmem.budget = 0;
     }
 }
 
 llama_memory_i * llama_kvmem_create_memory(const llama_model & model, const llama_memory_params & params,
         const llama_cparams & cparams, const llama_memory_i::layer_filter_cb & filter) {
-    if (cparams.kvmem.budget == 0 || params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
+    if (cparams.kvmem.budget == 0) {
+        return nullptr;
+    }
+    llama_kvmem_cache * target = nullptr;
+    if (params.ctx_type == LLAMA_CONTEXT_TYPE_MTP) {
+        target = cparams.kvmem.leader;
+        if (!target) {
+            return nullptr;
+        }
+    } else if (params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
         return nullptr;
     }
     return new llama_kvmem_cache(model, params.type_k, params.type_v, cparams.offload_kqv,
-            cparams.n_seq_max, cparams.n_ctx, cparams.kvmem, filter);
+            cparams.n_seq_max, cparams.n_ctx, cparams.kvmem, filter, target);
 }
+
+//
+// hybrid models
+//
+
+// llama_memory_hybrid whose attention part is a llama_kvmem_cache: the graph still sees a
+// llama_memory_hybrid_context; only the batch split and the lazy attention placement differ
+class llama_kvmem_hybrid : public llama_memory_hybrid {
+public:
+    llama_kvmem_hybrid(const llama_model & model, llama_kvmem_cache * attn, llama_memory_recurrent * recr) :
+        llama_memory_hybrid(model, attn, recr), km(attn) {
+        km->recr = recr;
+    }
+
+    llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) override {
+        auto * recr = get_mem_recr();
+        const uint32_t n_ub = km->max_ubatch(n_ubatch);
+        balloc.split_reset();
+        std::vector<llama_ubatch> ubatches;
+        while (true) {
+            // same split as upstream's hybrid memory (unified KV): the trailing 1 + n_rs_seq tokens of each
+            // sequence stay in one ubatch so that recurrent rollback snapshots remain valid
+            llama_ubatch ubatch = embd_all ? balloc.split_seq(n_ub)
+                : balloc.split_equal(n_ub, false, recr->n_rs_seq > 0 ? recr->n_rs_seq + 1 : 0);
+            if (ubatch.n_tokens == 0) {
+                break;
+            }
+            ubatches.push_back(std::move(ubatch)); // NOLINT
+        }
+        if (balloc.get_n_used() < balloc.get_n_tokens() || !recr->prepare(ubatches)) {
+            return std::make_unique<llama_memory_hybrid_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+        }
+        llama_kv_cache::slot_info_vec_t sinfos(ubatches.size());
+        llama_memory_context_ptr ctx_attn = std::make_unique<llama_kvmem_context>(km, std::move(sinfos), ubatches);
+        return std::make_unique<llama_memory_hybrid_context>(this, std::move(ctx_attn), std::move(ubatches));
+    }
+
+private:
+    llama_kvmem_cache * km;
+};
+
+llama_memory_i * llama_kvmem_create_hybrid(const llama_model & model, const llama_memory_params & params,
+        const llama_cparams & cparams, const llama_memory_i::layer_filter_cb & filter_attn,
+        const llama_memory_i::layer_filter_cb & filter_recr) {
+    if (cparams.kvmem.budget == 0 || params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT || model.hparams.swa_type != LLAMA_SWA_TYPE_NONE) {
+        return nullptr;
+    }
+    const auto & hp = model.hparams;
+    const llama_memory_i::layer_filter_cb attn = filter_attn ? filter_attn : [&hp](int32_t il) { return !hp.is_recr(il); };
+    const llama_memory_i::layer_filter_cb recr = filter_recr ? filter_recr : [&hp](int32_t il) { return hp.is_recr(il); };
+    auto * km = new llama_kvmem_cache(model, params.type_k, params.type_v, cparams.offload_kqv,
+            cparams.n_seq_max, cparams.n_ctx, cparams.kvmem, attn);
+    auto * rs = new llama_memory_recurrent(model, GGML_TYPE_F32, GGML_TYPE_F32, cparams.offload_kqv,
+            std::max((uint32_t) 1, cparams.n_seq_max), cparams.n_seq_max, cparams.n_rs_seq, recr);
+    return new llama_kvmem_hybrid(model, km, rs);
+}
+
+// recurrent state snapshots in host memory (one sequence, via the state I/O of the recurrent memory)
+class kvmem_state_writer : public llama_io_write_i {
+public:
+    std::vector<uint8_t> buf;
+
+    void write(const void * src, size_t size) override {
+        const auto * p = (const uint8_t *) src;
+        buf.insert(buf.end(), p, p + size);
+    }
+    void write_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        const size_t o = buf.size();
+        buf.resize(o + size);
+        ggml_backend_tensor_get(tensor, buf.data() + o, offset, size);
+    }
+    size_t n_bytes() override { return buf.size(); }
+};
+
+class kvmem_state_reader : public llama_io_read_i {
+public:
+    explicit kvmem_state_reader(const std::vector<uint8_t> & buf) : buf(buf) {}
+
+    void read(void * dst, size_t size) override {
+        take(size);
+        std::memcpy(dst, buf.data() + pos - size, size);
+    }
+    void read_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        take(size);
+        ggml_backend_tensor_set(tensor, buf.data() + pos - size, offset, size);
+    }
+    size_t n_bytes() override { return pos; }
+
+private:
+    void take(size_t size) {
+        if (pos + size > buf.size()) {
+            throw std::runtime_error("kvmem: recurrent state snapshot is truncated");
+        }
+        pos += size;
+    }
+    const std::vector<uint8_t> & buf;
+    size_t pos = 0;
+};
 
 //
 // llama_context: turn hook
 //
 
-int llama_context::decode(const llama_batch_ext & batch) {
-    auto * km = llama_kvmem_cache::from(memory.get());
-    if (!km || km->in_redecode) {
-        return decode_impl(batch);
-    }
-    km->set_last_error("");
-    const int ret = decode_impl(batch);
-    if (ret != 0) {
-        return ret;
-    }
-
-    // a new turn = several new tokens of one sequence whose last token is an output (the prompt's end)
-    const size_t n = batch.tokens.size();
-    if (n < 2 || !batch.tokens.back().output || batch.tokens.back().seq_ids.size() != 1) {
-        return 0;
-    }
-    const llama_seq_id s = *batch.tokens.back().seq_ids.begin();
-    for (const auto & tok : batch.tokens) {
-        if (tok.seq_ids.size() != 1 || *tok.seq_ids.begin() != s || tok.has_embd) {
-            return 0;
-        }
-    }
-    if (!km->select(s)) {
-        return 0;
-    }
-
-    // recompute the turn's last tokens so that they (and the logits) see the retrieved blocks
-    const size_t n_tail = std::min<size_t>(n, std::max<uint32_t>(km->params().query_tokens, 1));
-    for (size_t i = 0; i < n - n_tail; ++i) {
-        if (batch.tokens[i].output) {
-            return 0; // outputs outside the tail: keep the first pass
-        }
-    }
-    llama_batch_ext tail = batch;
-    tail.tokens.erase(tail.tokens.begin(), tail.tokens.begin() + (n - n_tail));
-
-    km->in_redecode = true;
-    memory->seq_rm(s, tail.tokens.front().pos[0], -1);
-    const int ret2 = decode_impl(tail);
-    km->in_redecode = false;
-    if (ret2 != 0) {
-        return ret2;
-    }
-
-    // map the outputs back to the indices of the caller's batch
+// the outputs of a decode of the last n_tail tokens of a batch of n, mapped back to the caller's indices
+static void kvmem_map_tail_outputs(std::vector<int32_t> & output_ids, size_t n, size_t n_tail) {
     std::vector<int32_t> ids(output_ids.begin(), output_ids.end());
     std::fill(output_ids.begin(), output_ids.end(), -1);
     for (size_t j = 0; j < n_tail && j < ids.size(); ++j) {
@@ -1017,7 +1320,274 @@ int llama_context::decode(const llama_batch_ext & batch) {
             output_ids[n - n_tail + j] = ids[j];
         }
     }
+}
+
+int llama_context::decode(const llama_batch_ext & batch) {
+    auto * km = llama_kvmem_cache::from(memory.get());
+    if (!km || km->in_redecode) {
+        return decode_impl(batch);
+    }
+    km->set_last_error("");
+
+    if (km->is_follower()) {
+        // before: drop what the target dropped (room for the batch); after: take the new blocks in line
+        km->follow_leader();
+        const int ret = decode_impl(batch);
+        km->follow_leader();
+        return ret;
+    }
+
+    // a turn = several new tokens of one sequence of which only the last is an output (a prompt's end);
+    // speculative verification batches (every token an output) are not turns
+    const size_t n = batch.tokens.size();
+    bool turn = n >= 2 && batch.tokens.back().output && batch.tokens.back().seq_ids.size() == 1;
+    const llama_seq_id s = turn ? *batch.tokens.back().seq_ids.begin() : -1;
+    for (size_t i = 0; turn && i < n; ++i) {
+        const auto & tok = batch.tokens[i];
+        turn = tok.seq_ids.size() == 1 && *tok.seq_ids.begin() == s && !tok.has_embd && (!tok.output || i + 1 == n);
+    }
+    if (!turn) {
+        return kvmem_decode_multi(batch);
+    }
+
+    // the turn's last query_tokens form the query; after a selection they are recomputed so that they
+    // (and the logits) see the retrieved blocks
+    const size_t n_tail = std::min<size_t>(n, std::max<uint32_t>(km->params().query_tokens, 1));
+    const size_t n_head = n - n_tail;
+    llama_batch_ext tail = batch;
+    tail.tokens.erase(tail.tokens.begin(), tail.tokens.begin() + n_head);
+
+    // draft-mtp reads one target hidden-state row per batch token (unmasked nextn rows): keep the
+    // head's rows across the tail's recompute and put the batch back together at the end
+    const bool nextn_rows = cparams.embeddings_nextn && !cparams.embeddings_nextn_masked;
+    const size_t n_embd_nextn = model.hparams.n_embd_out();
+    std::vector<float> nextn_head;
+    auto save_head_rows = [&]() {
+        float * rows = nextn_rows ? get_embeddings_nextn() : nullptr;
+        if (rows && n_head > 0) {
+            nextn_head.assign(rows, rows + n_head*n_embd_nextn);
+        }
+    };
+    auto place_tail_rows = [&]() {
+        float * rows = nextn_rows ? get_embeddings_nextn() : nullptr;
+        if (rows && !nextn_head.empty()) {
+            std::memmove(rows + n_head*n_embd_nextn, rows, n_tail*n_embd_nextn*sizeof(float));
+            std::memcpy(rows, nextn_head.data(), nextn_head.size()*sizeof(float));
+        }
+    };
+
+    // hybrid models: the recurrent state cannot be rolled back by seq_rm, so the turn is decoded as
+    // head + tail with a snapshot of the sequence's recurrent state in between (only when a selection
+    // could stage anything in: otherwise the batch is decoded as is, like upstream)
+    std::vector<uint8_t> snapshot;
+    if (km->recr && km->may_stage(n)) {
+        if (n_head > 0) {
+            llama_batch_ext head = batch;
+            head.tokens.resize(n_head);
+            const int ret = decode_impl(head);
+            if (ret != 0) {
+                return ret;
+            }
+            save_head_rows();
+        }
+        kvmem_state_writer w;
+        km->recr->state_write(w, s);
+        snapshot = std::move(w.buf);
+        const int ret = decode_impl(tail);
+        if (ret != 0) {
+            return ret;
+        }
+        kvmem_map_tail_outputs(output_ids, n, n_tail);
+        if (!km->select(s)) {
+            place_tail_rows();
+            return 0;
+        }
+        kvmem_state_reader r(snapshot);
+        km->recr->state_read(r, s);
+        km->in_redecode = true;
+        km->seq_rm(s, tail.tokens.front().pos[0], -1);
+    } else {
+        const int ret = decode_impl(batch);
+        if (ret != 0) {
+            return ret;
+        }
+        if (!km->select(s)) {
+            return 0;
+        }
+        save_head_rows();
+        km->in_redecode = true;
+        memory->seq_rm(s, tail.tokens.front().pos[0], -1);
+    }
+    const int ret2 = decode_impl(tail);
+    km->in_redecode = false;
+    if (ret2 != 0) {
+        return ret2;
+    }
+    kvmem_map_tail_outputs(output_ids, n, n_tail);
+    place_tail_rows();
     return 0;
+}
+
+int llama_context::kvmem_decode_multi(const llama_batch_ext & batch) {
+    // several sequences in one batch (parallel slots): each sequence whose prompt ends here (>= 2 tokens,
+    // only its last one an output) is a turn; after the batch each turn is selected, the tails of those
+    // that staged blocks in are recomputed together, and their outputs replace the first pass's rows
+    auto * km = llama_kvmem_cache::from(memory.get());
+    const size_t n = batch.tokens.size();
+    struct seq_info { size_t count = 0; bool ok = true; };
+    std::map<llama_seq_id, seq_info> info;
+    for (size_t i = 0; i < n; ++i) {
+        const auto & tok = batch.tokens[i];
+        for (const auto s : tok.seq_ids) {
+            auto & x = info[s];
+            x.count++;
+            x.ok = x.ok && tok.seq_ids.size() == 1 && !tok.has_embd;
+        }
+    }
+    std::map<llama_seq_id, size_t> last_idx;
+    for (size_t i = 0; i < n; ++i) {
+        for (const auto s : batch.tokens[i].seq_ids) {
+            last_idx[s] = i;
+        }
+    }
+    for (size_t i = 0; i < n; ++i) {
+        const auto & tok = batch.tokens[i];
+        if (tok.seq_ids.size() == 1 && tok.output && last_idx[*tok.seq_ids.begin()] != i) {
+            info[*tok.seq_ids.begin()].ok = false; // outputs inside the sequence: generation or verification
+        }
+    }
+    std::vector<llama_seq_id> turns;
+    for (auto & [s, x] : info) {
+        if (x.ok && x.count >= 2 && batch.tokens[last_idx[s]].output) {
+            turns.push_back(s);
+        }
+    }
+
+    const int ret = decode_impl(batch);
+    if (ret != 0) {
+        return ret;
+    }
+    kvmem_refresh(batch, turns);
+    if (turns.empty()) {
+        return 0;
+    }
+    std::set<llama_seq_id> staged;
+    for (const auto s : turns) {
+        if (km->select(s)) {
+            staged.insert(s);
+        }
+    }
+    // the recurrent state of hybrid models cannot be rolled back here, and backend samplers keep their
+    // own per-output state: those batches keep the first pass (the selection applies from the next token)
+    if (staged.empty() || km->recr || !sampling.samplers.empty()) {
+        return 0;
+    }
+
+    // the first pass's outputs, in batch order
+    output_reorder();
+    const size_t n_vocab = model.vocab.n_tokens();
+    const size_t n_embd_out = model.hparams.n_embd_out();
+    const bool nextn_rows = cparams.embeddings_nextn && !cparams.embeddings_nextn_masked && embd_nextn.data;
+    std::vector<int32_t> ids1(output_ids.begin(), output_ids.begin() + std::min(n, output_ids.size()));
+    int32_t n_out1 = 0;
+    for (const auto id : ids1) {
+        n_out1 = std::max(n_out1, id + 1);
+    }
+    std::vector<float> logits1, embd1, nextn1;
+    if (logits.data) {
+        logits1.assign(logits.data, logits.data + (size_t) n_out1*n_vocab);
+    }
+    if (embd.data && embd.size > 0) {
+        embd1.assign(embd.data, embd.data + (size_t) n_out1*n_embd_out);
+    }
+    if (nextn_rows) {
+        nextn1.assign(embd_nextn.data, embd_nextn.data + n*n_embd_out);
+    }
+
+    // tails of the staged sequences, in batch order
+    std::map<llama_seq_id, size_t> left;
+    for (const auto s : staged) {
+        left[s] = std::min<size_t>(info[s].count, std::max<uint32_t>(km->params().query_tokens, 1));
+    }
+    std::map<llama_seq_id, size_t> seen;
+    std::vector<size_t> tail_idx;
+    llama_batch_ext tail = batch;
+    tail.tokens.clear();
+    for (size_t i = 0; i < n; ++i) {
+        const auto & tok = batch.tokens[i];
+        if (tok.seq_ids.size() != 1 || !staged.count(*tok.seq_ids.begin())) {
+            continue;
+        }
+        const llama_seq_id s = *tok.seq_ids.begin();
+        if (++seen[s] > info[s].count - left[s]) {
+            tail_idx.push_back(i);
+            tail.tokens.push_back(tok);
+        }
+    }
+    km->in_redecode = true;
+    for (const auto s : staged) {
+        for (size_t j = 0; j < tail_idx.size(); ++j) {
+            if (*batch.tokens[tail_idx[j]].seq_ids.begin() == s) {
+                memory->seq_rm(s, batch.tokens[tail_idx[j]].pos[0], -1);
+                break;
+            }
+        }
+    }
+    const int ret2 = decode_impl(tail);
+    km->in_redecode = false;
+    if (ret2 != 0) {
+        return ret2;
+    }
+
+    // merge: the recomputed rows replace the first pass's rows of the same batch tokens
+    output_reorder();
+    for (size_t j = 0; j < tail_idx.size(); ++j) {
+        const size_t i = tail_idx[j];
+        if (nextn_rows && embd_nextn.data) {
+            std::memcpy(nextn1.data() + i*n_embd_out, embd_nextn.data + j*n_embd_out, n_embd_out*sizeof(float));
+        }
+        if (!batch.tokens[i].output || ids1[i] < 0 || output_ids[j] < 0) {
+            continue;
+        }
+        const size_t r1 = ids1[i], r2 = output_ids[j];
+        if (!logits1.empty()) {
+            std::memcpy(logits1.data() + r1*n_vocab, logits.data + r2*n_vocab, n_vocab*sizeof(float));
+        }
+        if (!embd1.empty()) {
+            std::memcpy(embd1.data() + r1*n_embd_out, embd.data + r2*n_embd_out, n_embd_out*sizeof(float));
+        }
+    }
+    output_reserve(n_out1); // lays the views out for the first pass's outputs again (same buffer)
+    if (!logits1.empty()) {
+        std::memcpy(logits.data, logits1.data(), logits1.size()*sizeof(float));
+    }
+    if (!embd1.empty()) {
+        std::memcpy(embd.data, embd1.data(), embd1.size()*sizeof(float));
+    }
+    if (!nextn1.empty() && embd_nextn.data) {
+        std::memcpy(embd_nextn.data, nextn1.data(), nextn1.size()*sizeof(float));
+    }
+    std::fill(output_ids.begin(), output_ids.end(), -1);
+    std::copy(ids1.begin(), ids1.end(), output_ids.begin());
+    n_outputs = n_out1;
+    return 0;
+}
+
+void llama_context::kvmem_refresh(const llama_batch_ext & batch, const std::vector<llama_seq_id> & turns) {
+    // decode-time refresh: after every `refresh` generated tokens of a sequence, re-select its working
+    // set with the query of its most recent tokens (nothing is recomputed: the next token sees it)
+    auto * km = llama_kvmem_cache::from(memory.get());
+    std::map<llama_seq_id, uint32_t> per_seq;
+    for (const auto & tok : batch.tokens) {
+        if (tok.seq_ids.size() == 1 && tok.output) { // generated tokens are decoded as outputs; prompt chunks are not
+            per_seq[*tok.seq_ids.begin()]++;
+        }
+    }
+    for (const auto & [s, cnt] : per_seq) {
+        if (std::find(turns.begin(), turns.end(), s) == turns.end() && km->count_generated(s, cnt)) {
+            km->select(s);
+        }
+    }
 }
 
 void llama_context::kvmem_after_ubatch(const llm_graph_result * res, const llama_ubatch & ubatch) {

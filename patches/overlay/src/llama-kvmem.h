@@ -26,6 +26,7 @@
 #include <vector>
 
 class llm_graph_result;
+class llama_memory_recurrent;
 struct llama_cparams;
 
 // defined in llama.h (C API); forward-declared here for the getters
@@ -41,10 +42,12 @@ public:
             uint32_t n_seq_max,
             uint32_t n_ctx_total,
             const llama_kvmem_params & kp,
-            const layer_filter_cb & filter);
+            const layer_filter_cb & filter,
+            llama_kvmem_cache * target = nullptr); // MTP draft caches: the target cache to follow
 
     ~llama_kvmem_cache();
 
+    // the tiered cache of a context's memory: the memory itself, or the attention part of a tiered hybrid
     static llama_kvmem_cache * from(llama_memory_i * mem);
 
     // returns an empty string if tiering can apply to this model/context, otherwise the reason
@@ -87,8 +90,27 @@ public:
 
     const llama_kvmem_params & params() const { return kp; }
 
+    // largest ubatch that fits next to the sink and one block of history
+    uint32_t max_ubatch(uint32_t n_ubatch) const;
+
+    // false when adding n_new tokens cannot evict anything, so a selection could not stage anything in
+    bool may_stage(uint32_t n_new) const;
+
     // true while the context recomputes the tail of a turn after a selection
     bool in_redecode = false;
+
+    // hybrid models: the recurrent state next to the tiered attention layers (its state is
+    // snapshotted before a turn's tail so that the tail can be recomputed after a selection)
+    llama_memory_recurrent * recr = nullptr;
+
+    // MTP draft contexts: the draft's cache follows the target's selection (same resident blocks)
+    // instead of selecting on its own
+    void set_leader(llama_kvmem_cache * target);
+    bool is_follower() const { return leader != nullptr; }
+    void follow_leader();
+
+    // decode-time refresh: count generated tokens of a sequence; true when it is due a re-selection
+    bool count_generated(llama_seq_id seq_id, uint32_t n);
 
 private:
     struct hblock {
@@ -103,6 +125,7 @@ private:
         std::map<int32_t, std::vector<float>> kbox;          // [n_lt][2][n_head_kv][head_dim] element-wise key min, max
         std::deque<std::vector<float>> q;                   // last query rows [n_lt][n_head][head_dim]
         int32_t next_host = 0;                              // first block index not yet on the host
+        uint32_t n_generated = 0;                           // tokens decoded since the last selection
         int64_t n_select = 0;
         double  last_ms  = 0.0;
     };
@@ -129,6 +152,10 @@ private:
 
     std::map<llama_seq_id, seq_state> seqs;
 
+    llama_kvmem_cache * leader = nullptr;
+    std::vector<llama_kvmem_cache *> followers;
+    bool resident_in_leader(llama_seq_id seq_id, int32_t b) const;
+
     // totals
     int64_t n_selections   = 0;
     int64_t n_staged_in    = 0;
@@ -149,6 +176,14 @@ private:
     std::map<llama_seq_id, snap_t> snap_seq;
     std::string last_error;
     void publish();
+
+    // host <-> device copies of block rows: asynchronous on a device's own stream, plain on CPU
+    std::vector<ggml_backend_t> copy_backends; // owned, one per device
+    std::vector<ggml_backend_t> copy_backend;  // per tiered layer, nullptr = host memory
+    bool copies_pending = false;
+    void upload(uint32_t lt, ggml_tensor * t, const void * src, size_t offset, size_t size);
+    void download(uint32_t lt, ggml_tensor * t, void * dst, size_t offset, size_t size);
+    void copies_wait();
 
     uint8_t * slot_ptr(uint32_t slot) const { return host_base + (size_t) slot*block_bytes; }
 
@@ -172,6 +207,11 @@ void llama_kvmem_configure(llama_cparams & cparams, const llama_context_params &
 void llama_kvmem_check(const llama_model & model, llama_cparams & cparams);               // DISABLED (<reason>) -> budget 0
 void llama_kvmem_check_memory(llama_memory_i * mem, llama_cparams & cparams);             // the memory must be ours
 
-// memory factory hook (llama-model.cpp): nullptr if tiering is off
+// memory factory hooks (llama-model.cpp): nullptr if tiering is off
 llama_memory_i * llama_kvmem_create_memory(const llama_model & model, const llama_memory_params & params,
         const llama_cparams & cparams, const llama_memory_i::layer_filter_cb & filter);
+
+// hybrid models (attention + recurrent layers): the attention layers are tiered, the recurrent state is not
+llama_memory_i * llama_kvmem_create_hybrid(const llama_model & model, const llama_memory_params & params,
+        const llama_cparams & cparams, const llama_memory_i::layer_filter_cb & filter_attn,
+        const llama_memory_i::layer_filter_cb & filter_recr);

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On the GPU host, after build-ab.sh (same warm machine): `kvmem bench` one cell per argument,
+# CONTEXT:CONFIG, in order, copying the results after each cell so that a call cut short keeps
+# every finished row.
+#   bench-cells.sh 4096:upstream 4096:tiering-off 4096:tiering-on 32768:tiering-on-mtp ...
+# configs: upstream, tiering-off, tiering-on (--kvmem-budget 32768), upstream-mtp and
+# tiering-on-mtp (the same with --spec-type draft-mtp on the model with the MTP head).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+export PYTHONPATH=/tmp/kv:/tmp/site PATH=/tmp/kv/bin:/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+MODEL=/tmp/qwen35-27b.gguf
+MODEL_MTP=/tmp/qwen35-27b-mtp.gguf
+for model in "$MODEL" "$MODEL_MTP"; do
+  if [ ! -f "$model" ]; then
+    mtp=""; [ "$model" = "$MODEL_MTP" ] && mtp="--mtp"
+    start=$(date +%s)
+    kvmem synth --preset qwen35-27b $mtp --quant q4_k --donor .kvmem/ggml-vocab-qwen35.gguf --threads 12 -o "$model" | tail -1
+    echo "synth qwen35-27b $mtp: $(( $(date +%s) - start )) s, $(stat -c %s "$model") bytes" | tee -a "$OUT/bench-notes.txt"
+  fi
+done
+GPU="-ngl 99 -fa on -b 2048 -ub 2048"
+for cell in "$@"; do
+  context=${cell%%:*}; config=${cell#*:}; model=$MODEL
+  case $config in
+    upstream)       engine=upstream-cuda-sm90; args="$GPU" ;;
+    tiering-off)    engine=cuda-sm90; args="$GPU" ;;
+    tiering-on)     engine=cuda-sm90; args="$GPU --kvmem-budget 32768" ;;
+    upstream-mtp)   engine=upstream-cuda-sm90; args="$GPU --spec-type draft-mtp"; model=$MODEL_MTP ;;
+    tiering-on-mtp) engine=cuda-sm90; args="$GPU --kvmem-budget 32768 --spec-type draft-mtp"; model=$MODEL_MTP ;;
+    *) echo "unknown config $config"; exit 2 ;;
+  esac
+  start=$(date +%s)
+  kvmem bench --engine "$engine" --model "$model" --config "$config" --contexts "$context" --gen 64 \
+    --server-args "$args" --out /tmp/bench | tail -2
+  echo "cell $cell: $(( $(date +%s) - start )) s" | tee -a "$OUT/bench-notes.txt"
+  cp /tmp/bench/results.jsonl "$OUT/"
+  tar -czf "$OUT/bench-logs.tar.gz" -C /tmp/bench logs
+done
