@@ -55,38 +55,32 @@ def _event(line: str, name: str) -> str | None:
     return match["rest"]
 
 
-def parse_armed(line: str) -> dict | None:
-    """`{"event": "ARMED", "blocks": int, ...}` when every documented key is present, else None."""
-    rest = _event(line, "ARMED")
+def _parse_keyed(line: str, event: str, keys: tuple[str, ...]) -> dict | None:
+    rest = _event(line, event)
     if rest is None:
         return None
     fields = _pairs(rest)
-    if any(key not in fields for key in ARMED_KEYS):
+    if any(key not in fields for key in keys):
         return None
-    return {"event": "ARMED", **fields}
+    return {"event": event, **fields}
+
+
+def parse_armed(line: str) -> dict | None:
+    """`{"event": "ARMED", "blocks": int, ...}` when every documented key is present, else None."""
+    return _parse_keyed(line, "ARMED", ARMED_KEYS)
 
 
 def parse_select(line: str) -> dict | None:
     """`{"event": "SELECT", "seq": int, ..., "ms": float}` when every documented key is present."""
-    rest = _event(line, "SELECT")
-    if rest is None:
-        return None
-    fields = _pairs(rest)
-    if any(key not in fields for key in SELECT_KEYS):
-        return None
-    fields["ms"] = float(fields["ms"])
-    return {"event": "SELECT", **fields}
+    event = _parse_keyed(line, "SELECT", SELECT_KEYS)
+    if event is not None:
+        event["ms"] = float(event["ms"])
+    return event
 
 
 def parse_follow(line: str) -> dict | None:
     """`{"event": "FOLLOW", "seq": int, "resident": int, "target_resident": int, "common": int, ...}`."""
-    rest = _event(line, "FOLLOW")
-    if rest is None:
-        return None
-    fields = _pairs(rest)
-    if any(key not in fields for key in FOLLOW_KEYS):
-        return None
-    return {"event": "FOLLOW", **fields}
+    return _parse_keyed(line, "FOLLOW", FOLLOW_KEYS)
 
 
 def parse_draft(line: str) -> dict | None:

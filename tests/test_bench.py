@@ -37,3 +37,17 @@ def test_bench_two_configs_and_report(cpu_engine: Engine, smollm2: Path, tmp_pat
     assert {r["config"] for r in rel} == {"upstream", "ours"}
     assert next(r for r in rel if r["config"] == "upstream")["decode_vs_baseline"] == 1.0
     assert ratios(rows, "missing") == []
+
+
+def test_bench_tiered_run_records_selection_and_stage_in(cpu_engine: Engine, smollm2: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    args = "-t 2 --kvmem-budget 640 --kvmem-block 64 --kvmem-sink 64 --kvmem-recent 128"
+    run = subprocess.run(["kvmem", "bench", "--engine", str(cpu_engine.path), "--model", str(smollm2),
+                          "--config", "tiered", "--contexts", "2048", "--gen", "8", "--server-args", args,
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    (row,) = load_results(out / "results.jsonl")
+    assert row["error"] is None
+    assert len(row["select_ms"]) == 2  # one selection per turn
+    assert len(row["stage_ms"]) == 2 and all(ms >= 0 for ms in row["stage_ms"])
+    assert row["staged_in_blocks"][0] > 0 and row["stage_in_gbps"] and row["stage_in_gbps"][0] > 0

@@ -85,12 +85,18 @@ def test_multi_turn_reuse_on_a_plain_attention_model(llama_server, smollm2) -> N
 
 def test_draft_mtp_with_tiering_follows_the_target_and_keeps_greedy_output(llama_server, qwen35) -> None:
     """--spec-type draft-mtp on a qwen35+MTP model, budget < prompt: the MTP draft context's cache follows
-    the target's selection (same resident blocks) and greedy output equals no speculation."""
+    the target's selection (same resident blocks) and greedy output equals no speculation.
+
+    Random weights give near-tied logits, so the float differences between a verification batch and
+    one-token decoding flip a greedy pick sooner or later: upstream without tiering drifts at token 59
+    of this model, and a tiered working set (other cell order, so another summation order in attention)
+    drifts around token 30. Exactness over longer generations, refresh included, is checked on real
+    models in test_speculative_draft_simple_with_tiering_on_real_models."""
     args = ["-c", "8192", "-np", "1", "--kvmem-budget", "1024"]
     with llama_server(qwen35["mtp"], args) as srv:
-        plain = complete(srv.url, LIST, n_predict=48)
+        plain = complete(srv.url, LIST, n_predict=24)
     with llama_server(qwen35["mtp"], [*args, "--spec-type", "draft-mtp"]) as srv:
-        spec = complete(srv.url, LIST, n_predict=48)
+        spec = complete(srv.url, LIST, n_predict=24)
         log = srv.log()
     assert spec["content"] == plain["content"]
     assert spec["timings"]["draft_n"] > 0  # drafts were made (acceptance is meaningless on random weights)
@@ -151,23 +157,26 @@ def test_parallel_slots_each_find_their_own_needle(llama_server, smollm2) -> Non
 
 @pytest.mark.slow
 def test_speculative_draft_simple_with_tiering_on_real_models(llama_server) -> None:
-    """Qwen2.5-Coder 0.5B drafts for 1.5B (same tokenizer), both tiered with a budget below the prompt:
-    greedy output is identical to no speculation, and drafts are accepted."""
+    """Qwen2.5-Coder 0.5B drafts for 1.5B (same tokenizer), both tiered with a budget below the prompt and a
+    refresh every 16 tokens: greedy output is identical to no speculation (verification batches are split at
+    the refresh position), and drafts are accepted."""
     target = shipped_model_path("qwen2.5-coder:1.5b")
     draft = shipped_model_path("qwen2.5-coder:0.5b")
     code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(100))
     prompt = (f"<|im_start|>user\n{code}\nWrite a Python function that returns f3(x) + f5(x).<|im_end|>\n"
               "<|im_start|>assistant\n")
     args = ["-c", "4096", "-np", "1", "--kvmem-budget", "768", "--kvmem-block", "64", "--kvmem-sink", "64",
-            "--kvmem-recent", "128"]
+            "--kvmem-recent", "128", "--kvmem-refresh", "16"]
     with llama_server(target, args, timeout=300) as srv:
-        plain = complete(srv.url, prompt, n_predict=48)
+        plain = complete(srv.url, prompt, n_predict=64)
+        plain_log = srv.log()
     with llama_server(target, [*args, "--spec-type", "draft-simple", "-md", str(draft)], timeout=300) as srv:
-        spec = complete(srv.url, prompt, n_predict=48)
+        spec = complete(srv.url, prompt, n_predict=64)
         log = srv.log()
     assert plain["tokens_evaluated"] > 2 * 768  # the prompt is twice the budget
     assert spec["content"] == plain["content"]
     timings = spec["timings"]
     assert timings["draft_n"] > 0 and timings["draft_n_accepted"] > 0, timings
     print(f"draft-simple acceptance {timings['draft_n_accepted']}/{timings['draft_n']}")
+    assert len(kvmem_log.selects(plain_log)) == 1 + 64 // 16 - 1  # the turn + refreshes within 64 tokens
     assert kvmem_log.selects(log)

@@ -68,6 +68,20 @@ def test_kvmem_log_parsing() -> None:
     assert kvmem_log.tiering_state("kvmem_score: DISABLED (no attention layers)") == "disabled: no attention layers"
 
 
+def test_kvmem_log_parses_follow_draft_and_the_select_extras() -> None:
+    follow = "W kvmem_score: FOLLOW seq=3 n_blocks=45 staged_in=4 staged_out=6 resident=7 target_resident=7 common=7"
+    draft = "W kvmem_score: DRAFT follows the target's selection: blocks=65 layers=1 host_mib=5"
+    select = SELECT.replace(" ms=0.41", " ms=0.41 stage_ms=0.120 stage_mib=11.0")
+    text = "\n".join([ARMED, draft, select, follow])
+    assert [e["event"] for e in kvmem_log.iter_events(text)] == ["ARMED", "DRAFT", "SELECT", "FOLLOW"]
+    assert kvmem_log.follows(text) == [kvmem_log.parse_follow(follow)]
+    assert kvmem_log.parse_follow(follow)["common"] == 7
+    assert kvmem_log.parse_follow(follow.replace(" common=7", "")) is None
+    assert kvmem_log.parse_line(draft) == {"event": "DRAFT", "blocks": 65, "layers": 1, "host_mib": 5}
+    assert kvmem_log.parse_select(select)["stage_mib"] == 11.0
+    assert kvmem_log.tiering_state(text) == "armed"
+
+
 def test_self_test_check_on_log_text() -> None:
     prompt, code = launcher.self_test_prompt(2048, seed=1)
     assert f"vault code is {code}" in prompt and len(prompt.split()) > 2048  # longer than the budget

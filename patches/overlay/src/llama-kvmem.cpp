@@ -29,32 +29,30 @@ static constexpr size_t KVMEM_TOP_HEADS = 4;
 
 static uint32_t div_up(uint32_t a, uint32_t b) { return (a + b - 1)/b; }
 
-// max over query rows and the heads of a GQA group of dot(q, kb), all rows of length n;
-// row r, head g starts at q0 + r*row_stride + g*n. Built for AVX2+FMA too on x86-64 (picked at run time).
+// max over n_rows query rows (contiguous, n floats each) of dot(q_r, kb).
+// Built for AVX2+FMA too on x86-64 (picked at run time).
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
-static float kvmem_bound_max(const float * q0, size_t row_stride, size_t n_rows, uint32_t group, const float * kb, size_t n) {
+static float kvmem_bound_max(const float * q0, size_t n_rows, const float * kb, size_t n) {
     float best = -INFINITY;
     for (size_t r = 0; r < n_rows; ++r) {
-        for (uint32_t g = 0; g < group; ++g) {
-            const float * q = q0 + r*row_stride + (size_t) g*n;
-            float acc[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
-            size_t d = 0;
-            for (; d + 8 <= n; d += 8) {
-                for (int j = 0; j < 8; ++j) {
-                    acc[j] += q[d + j]*kb[d + j];
-                }
-            }
-            float sum = 0.0f;
-            for (; d < n; ++d) {
-                sum += q[d]*kb[d];
-            }
+        const float * q = q0 + r*n;
+        float acc[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+        size_t d = 0;
+        for (; d + 8 <= n; d += 8) {
             for (int j = 0; j < 8; ++j) {
-                sum += acc[j];
+                acc[j] += q[d + j]*kb[d + j];
             }
-            best = std::max(best, sum);
         }
+        float sum = 0.0f;
+        for (; d < n; ++d) {
+            sum += q[d]*kb[d];
+        }
+        for (int j = 0; j < 8; ++j) {
+            sum += acc[j];
+        }
+        best = std::max(best, sum);
     }
     return best;
 }
@@ -453,6 +451,7 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
     if (p1 != std::numeric_limits<llama_pos>::max()) {
         // a hole in the middle (not produced by the server with shifting off): drop the touched host blocks
         const bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1);
+        forget_from(st, p0, p1);
         for (int32_t b = p0/B; b <= (p1 - 1)/B; ++b) {
             auto bit = st.blocks.find(b);
             if (bit != st.blocks.end()) {
@@ -481,12 +480,8 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
     }
     const bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1);
     drop_host_blocks(seq_id, p0/B);
-    if (!in_redecode) {
-        // the summary of the cut block only covers the kept tokens from now on
-        for (auto kit = st.kbox.lower_bound(p0/B); kit != st.kbox.end(); ) {
-            kit = st.kbox.erase(kit);
-        }
-    }
+    // the cut block's box is rebuilt from the kept key rows when the block completes again
+    forget_from(st, p0, std::numeric_limits<llama_pos>::max());
     return ok;
 }
 
@@ -671,16 +666,32 @@ bool llama_kvmem_cache::stage_in(llama_seq_id seq_id, int32_t b, hblock & hb) {
     const int32_t B = kp.block;
     auto & cells = v_cells[0];
 
+    // prefer B contiguous free cells (one copy per layer for K and for V), searched from where the
+    // last stage-in ended so that a selection staging many blocks scans the cells about once
     std::vector<uint32_t> idx;
     idx.reserve(B);
-    for (uint32_t i = 0; i < cells.size() && (int32_t) idx.size() < B; ++i) {
-        if (cells.is_empty(i)) {
-            idx.push_back(i);
+    const uint32_t n_cells = cells.size();
+    uint32_t run = 0;
+    for (uint32_t k = 0; k < n_cells && run < (uint32_t) B; ++k) {
+        const uint32_t i = (stage_hint + k) % n_cells;
+        run = cells.is_empty(i) ? (i == 0 ? 1 : run + 1) : 0; // runs do not wrap around
+        if (run == (uint32_t) B) {
+            for (uint32_t j = 0; j < (uint32_t) B; ++j) {
+                idx.push_back(i + 1 - B + j);
+            }
+        }
+    }
+    if (idx.empty()) {
+        for (uint32_t i = 0; i < n_cells && (int32_t) idx.size() < B; ++i) {
+            if (cells.is_empty(i)) {
+                idx.push_back(i);
+            }
         }
     }
     if ((int32_t) idx.size() < B) {
         return false;
     }
+    stage_hint = (idx.back() + 1) % n_cells;
 
     const uint8_t * src = slot_ptr(hb.slot);
     for (uint32_t lt = 0; lt < n_lt; ++lt) {
@@ -721,8 +732,17 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
 
     std::vector<float> buf;
 
-    // block key boxes (element-wise pre-RoPE min/max); a recomputed tail changes nothing
-    if (!in_redecode && !leader) {
+    // pre-RoPE key rows by position; the box (element-wise min/max) of every block this ubatch completed
+    if (!leader) {
+        std::vector<std::vector<float> *> dst(nt, nullptr);
+        std::set<std::pair<llama_seq_id, int32_t>> touched;
+        for (uint32_t i = 0; i < nt; ++i) {
+            const llama_seq_id s = ubatch.seq_id[i][0];
+            auto & row = seqs[s].krow[ubatch.pos[i]];
+            row.assign((size_t) n_lt*per_k, 0.0f);
+            dst[i] = &row;
+            touched.insert({ s, ubatch.pos[i]/B });
+        }
         for (uint32_t lt = 0; lt < n_lt; ++lt) {
             const uint32_t il = layers[lt].il;
             ggml_tensor * t = il < res->t_kvmem_k.size() ? res->t_kvmem_k[il] : nullptr;
@@ -732,26 +752,17 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
             buf.resize(ggml_nelements(t));
             ggml_backend_tensor_get(t, buf.data(), 0, ggml_nbytes(t));
             for (uint32_t i = 0; i < nt; ++i) {
-                const llama_seq_id s = ubatch.seq_id[i][0];
-                const float * src = buf.data() + i*per_k;
-                auto & kb = seqs[s].kbox[ubatch.pos[i]/B];
-                if (kb.empty()) {
-                    // layout [layer][kv head][max | min][head_dim]: one contiguous row per (layer, head)
-                    kb.resize((size_t) n_lt*2*per_k);
-                    for (size_t o = 0; o < kb.size(); o += 2*head_dim) {
-                        std::fill(kb.begin() + o,            kb.begin() + o + head_dim,   -INFINITY);
-                        std::fill(kb.begin() + o + head_dim, kb.begin() + o + 2*head_dim, INFINITY);
-                    }
-                }
-                for (uint32_t hk = 0; hk < n_head_kv; ++hk) {
-                    float * kmx = kb.data() + ((size_t) lt*n_head_kv + hk)*2*head_dim;
-                    float * kmn = kmx + head_dim;
-                    const float * sh = src + (size_t) hk*head_dim;
-                    for (uint32_t d = 0; d < head_dim; ++d) {
-                        kmx[d] = std::max(kmx[d], sh[d]);
-                        kmn[d] = std::min(kmn[d], sh[d]);
-                    }
-                }
+                std::memcpy(dst[i]->data() + (size_t) lt*per_k, buf.data() + i*per_k, per_k*sizeof(float));
+            }
+        }
+        for (const auto & [s, blk] : touched) {
+            build_box(seqs[s], blk);
+        }
+        for (const auto & [s, blk] : touched) {
+            auto & kr = seqs[s].krow;
+            if (!kr.empty()) {
+                const llama_pos keep_from = std::max<llama_pos>(0, (kr.rbegin()->first/B - 1)*B);
+                kr.erase(kr.begin(), kr.lower_bound(keep_from));
             }
         }
     }
@@ -778,7 +789,7 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
             for (uint32_t j = 0; j < nq && nq <= nt; ++j) {
                 const uint32_t i = nt - nq + j;
                 auto & q = seqs[ubatch.seq_id[i][0]].q;
-                q.push_back(std::move(rows[j]));
+                q.emplace_back(ubatch.pos[i], std::move(rows[j]));
                 while (q.size() > std::max<uint32_t>(kp.query_tokens, 1)) {
                     q.pop_front();
                 }
@@ -843,27 +854,16 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id) {
         // token is enough; heads differ in scale, so scores are z-normalized per (layer, head) across the
         // candidates, and the block's score is the mean of its top few heads: retrieval is carried by few heads.
         // q.k <= sum_d max(q_d*kmin_d, q_d*kmax_d) = [q+ | q-] . [kmax | kmin]: one dot product of 2*head_dim
-        // per (query row, query head, block, layer, KV head), vectorised, candidates split over threads
+        // per (query row, query head, block, layer, KV head). Work is split by (layer, KV head): a thread
+        // builds that pair's query set ([rows x group][2*head_dim], a few hundred KB that stays in cache)
+        // and streams every candidate's box row past it, so each box is read once and the queries never
+        // leave the core's cache (query-major order re-read the whole query set per block: memory-bound).
         query_tokens = st.q.size();
         const size_t hd2 = 2*(size_t) head_dim;
-        const size_t row_stride = (size_t) n_lt*n_head*hd2;
-        std::vector<float> qpm(query_tokens*row_stride);
-        size_t r = 0;
+        const size_t per_q = (size_t) n_head*head_dim;
+        std::vector<const float *> qrows;
         for (const auto & row : st.q) {
-            for (size_t lh = 0; lh < (size_t) n_lt*n_head; ++lh) {
-                const float * q = row.data() + lh*head_dim;
-                double n2 = 0.0;
-                for (uint32_t d = 0; d < head_dim; ++d) {
-                    n2 += (double) q[d]*q[d];
-                }
-                const float inv = n2 > 0.0 ? (float) (1.0/std::sqrt(n2)) : 0.0f;
-                float * out = qpm.data() + r*row_stride + lh*hd2;
-                for (uint32_t d = 0; d < head_dim; ++d) {
-                    out[d]            = std::max(q[d]*inv, 0.0f);
-                    out[head_dim + d] = std::min(q[d]*inv, 0.0f);
-                }
-            }
-            r++;
+            qrows.push_back(row.second.data());
         }
         const size_t n_lh = (size_t) n_lt*n_head_kv;
         std::vector<int32_t> cand;
@@ -877,31 +877,46 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id) {
             cand_kb.push_back(kit->second.data());
         }
         std::vector<float> cs(cand.size()*n_lh); // [cand][n_lh]
-        auto score_range = [&](size_t c0, size_t c1) {
-            for (size_t c = c0; c < c1; ++c) {
-                for (uint32_t lt = 0; lt < n_lt; ++lt) {
-                    for (uint32_t hk = 0; hk < n_head_kv; ++hk) {
-                        const float * kb = cand_kb[c] + ((size_t) lt*n_head_kv + hk)*hd2;
-                        const float * q0 = qpm.data() + ((size_t) lt*n_head + (size_t) hk*group)*hd2;
-                        cs[c*n_lh + (size_t) lt*n_head_kv + hk] = kvmem_bound_max(q0, row_stride, query_tokens, group, kb, hd2);
+        auto score_pair = [&](size_t p, std::vector<float> & qs) {
+            const uint32_t lt = p / n_head_kv, hk = p % n_head_kv;
+            const size_t n_rows = qrows.size()*group;
+            qs.resize(n_rows*hd2);
+            for (size_t r = 0; r < qrows.size(); ++r) {
+                for (uint32_t g = 0; g < group; ++g) {
+                    const float * q = qrows[r] + lt*per_q + ((size_t) hk*group + g)*head_dim;
+                    double n2 = 0.0;
+                    for (uint32_t d = 0; d < head_dim; ++d) {
+                        n2 += (double) q[d]*q[d];
+                    }
+                    const float inv = n2 > 0.0 ? (float) (1.0/std::sqrt(n2)) : 0.0f;
+                    float * out = qs.data() + (r*group + g)*hd2;
+                    for (uint32_t d = 0; d < head_dim; ++d) {
+                        out[d]            = std::max(q[d]*inv, 0.0f);
+                        out[head_dim + d] = std::min(q[d]*inv, 0.0f);
                     }
                 }
+            }
+            for (size_t c = 0; c < cand.size(); ++c) {
+                cs[c*n_lh + p] = kvmem_bound_max(qs.data(), n_rows, cand_kb[c] + p*hd2, hd2);
             }
         };
         const double work = (double) cand.size()*n_lh*query_tokens*group*hd2;
         const size_t n_threads = std::max<size_t>(1, std::min<size_t>({ (size_t) std::thread::hardware_concurrency(), 16,
-                    (size_t) (work/4e6) + 1, cand.size() }));
+                    (size_t) (work/16e6) + 1, n_lh }));
+        auto worker = [&](size_t t) {
+            std::vector<float> qs;
+            for (size_t p = t; p < n_lh; p += n_threads) {
+                score_pair(p, qs);
+            }
+        };
         if (n_threads <= 1) {
-            score_range(0, cand.size());
+            worker(0);
         } else {
             std::vector<std::thread> pool;
-            const size_t per = (cand.size() + n_threads - 1)/n_threads;
-            for (size_t t = 0; t < n_threads; ++t) {
-                const size_t c0 = t*per, c1 = std::min(cand.size(), c0 + per);
-                if (c0 < c1) {
-                    pool.emplace_back(score_range, c0, c1);
-                }
+            for (size_t t = 1; t < n_threads; ++t) {
+                pool.emplace_back(worker, t);
             }
+            worker(0);
             for (auto & th : pool) {
                 th.join();
             }
@@ -995,7 +1010,7 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id) {
     }
 
     const double ms = (ggml_time_us() - t_start)/1000.0;
-    st.n_generated = 0;
+    st.refresh_at = kp.refresh > 0 ? v_cells[0].seq_pos_max(seq_id) + 1 + (llama_pos) kp.refresh : -1;
     st.n_select++;
     st.last_ms = ms;
     n_selections++;
@@ -1063,13 +1078,48 @@ void llama_kvmem_cache::follow_leader() {
     publish();
 }
 
-bool llama_kvmem_cache::count_generated(llama_seq_id seq_id, uint32_t n) {
-    auto it = seqs.find(seq_id);
-    if (kp.refresh == 0 || leader || it == seqs.end()) {
-        return false;
+llama_pos llama_kvmem_cache::refresh_pos(llama_seq_id seq_id) const {
+    const auto it = seqs.find(seq_id);
+    return it == seqs.end() || leader ? -1 : it->second.refresh_at;
+}
+
+void llama_kvmem_cache::forget_from(seq_state & st, llama_pos p0, llama_pos p1) {
+    const int32_t B = kp.block;
+    st.krow.erase(st.krow.lower_bound(p0), st.krow.lower_bound(p1));
+    const int32_t b1 = p1 == std::numeric_limits<llama_pos>::max() ? std::numeric_limits<int32_t>::max() : (p1 - 1)/B + 1;
+    st.kbox.erase(st.kbox.lower_bound(p0/B), st.kbox.lower_bound(b1));
+    for (auto it = st.q.begin(); it != st.q.end(); ) {
+        it = it->first >= p0 && it->first < p1 ? st.q.erase(it) : it + 1;
     }
-    it->second.n_generated += n;
-    return it->second.n_generated >= kp.refresh;
+}
+
+void llama_kvmem_cache::build_box(seq_state & st, int32_t b) {
+    const int32_t B = kp.block;
+    const auto first = st.krow.lower_bound(b*B);
+    const auto last  = st.krow.lower_bound((b + 1)*B);
+    if (std::distance(first, last) != B) {
+        return; // not complete (yet)
+    }
+    const size_t per_k = (size_t) n_head_kv*head_dim;
+    // layout [layer][kv head][max | min][head_dim]: one contiguous row per (layer, head)
+    auto & kb = st.kbox[b];
+    kb.resize((size_t) n_lt*2*per_k);
+    for (size_t o = 0; o < kb.size(); o += 2*head_dim) {
+        std::fill(kb.begin() + o,            kb.begin() + o + head_dim,   -INFINITY);
+        std::fill(kb.begin() + o + head_dim, kb.begin() + o + 2*head_dim, INFINITY);
+    }
+    for (auto it = first; it != last; ++it) {
+        const float * src = it->second.data();
+        for (size_t lh = 0; lh < (size_t) n_lt*n_head_kv; ++lh) {
+            float * kmx = kb.data() + lh*2*head_dim;
+            float * kmn = kmx + head_dim;
+            const float * sh = src + lh*head_dim;
+            for (uint32_t d = 0; d < head_dim; ++d) {
+                kmx[d] = std::max(kmx[d], sh[d]);
+                kmn[d] = std::min(kmn[d], sh[d]);
+            }
+        }
+    }
 }
 
 void llama_kvmem_cache::publish() {
@@ -1347,7 +1397,29 @@ int llama_context::decode(const llama_batch_ext & batch) {
         turn = tok.seq_ids.size() == 1 && *tok.seq_ids.begin() == s && !tok.has_embd && (!tok.output || i + 1 == n);
     }
     if (!turn) {
-        return kvmem_decode_multi(batch);
+        // decode-time refresh at an exact position: a single-sequence batch that crosses it is split there,
+        // so every token sees the working set it would see when decoded one at a time (speculative
+        // verification batches then give the same greedy output as plain decoding)
+        llama_seq_id s1 = n > 0 && batch.tokens[0].seq_ids.size() == 1 ? *batch.tokens[0].seq_ids.begin() : -1;
+        for (size_t i = 0; s1 >= 0 && i < n; ++i) {
+            if (batch.tokens[i].seq_ids.size() != 1 || *batch.tokens[i].seq_ids.begin() != s1) {
+                s1 = -1;
+            }
+        }
+        const llama_pos r = s1 >= 0 && sampling.samplers.empty() ? km->refresh_pos(s1) : -1;
+        if (r < 0) {
+            return kvmem_decode_multi(batch);
+        }
+        size_t j = 0;
+        while (j < n && batch.tokens[j].pos[0] < r) {
+            j++;
+        }
+        if (j == 0) {
+            km->select(s1);
+        } else if (j < n) {
+            return kvmem_decode_split(batch, j, s1);
+        }
+        return decode_impl(batch);
     }
 
     // the turn's last query_tokens form the query; after a selection they are recomputed so that they
@@ -1574,20 +1646,98 @@ int llama_context::kvmem_decode_multi(const llama_batch_ext & batch) {
 }
 
 void llama_context::kvmem_refresh(const llama_batch_ext & batch, const std::vector<llama_seq_id> & turns) {
-    // decode-time refresh: after every `refresh` generated tokens of a sequence, re-select its working
-    // set with the query of its most recent tokens (nothing is recomputed: the next token sees it)
+    // decode-time refresh of sequences in a multi-sequence batch: re-select those whose next token is at
+    // or past their refresh position (single-sequence batches are split exactly at it, see decode())
     auto * km = llama_kvmem_cache::from(memory.get());
-    std::map<llama_seq_id, uint32_t> per_seq;
+    std::map<llama_seq_id, llama_pos> next_pos;
     for (const auto & tok : batch.tokens) {
-        if (tok.seq_ids.size() == 1 && tok.output) { // generated tokens are decoded as outputs; prompt chunks are not
-            per_seq[*tok.seq_ids.begin()]++;
+        if (tok.seq_ids.size() == 1) {
+            auto & p = next_pos[*tok.seq_ids.begin()];
+            p = std::max(p, tok.pos[0] + 1);
         }
     }
-    for (const auto & [s, cnt] : per_seq) {
-        if (std::find(turns.begin(), turns.end(), s) == turns.end() && km->count_generated(s, cnt)) {
+    for (const auto & [s, p] : next_pos) {
+        const llama_pos r = km->refresh_pos(s);
+        if (r >= 0 && p >= r && std::find(turns.begin(), turns.end(), s) == turns.end()) {
             km->select(s);
         }
     }
+}
+
+int llama_context::kvmem_decode_split(const llama_batch_ext & batch, size_t j, llama_seq_id s) {
+    // tokens [0, j) see the current working set, the sequence is re-selected, tokens [j, n) see the new
+    // one; the outputs of both decodes are put back together in the caller's order
+    auto * km = llama_kvmem_cache::from(memory.get());
+    const size_t n = batch.tokens.size();
+    const size_t n_vocab = model.vocab.n_tokens();
+    const size_t n_embd_out = model.hparams.n_embd_out();
+    const bool nextn_rows = cparams.embeddings_nextn && !cparams.embeddings_nextn_masked;
+
+    struct part_out {
+        std::vector<int32_t> ids;
+        int32_t n_out = 0;
+        std::vector<float> logits, embd, nextn;
+    };
+    auto take = [&](size_t n_tok) {
+        output_reorder();
+        part_out o;
+        o.ids.assign(output_ids.begin(), output_ids.begin() + std::min(n_tok, output_ids.size()));
+        for (const auto id : o.ids) {
+            o.n_out = std::max(o.n_out, id + 1);
+        }
+        if (logits.data) {
+            o.logits.assign(logits.data, logits.data + (size_t) o.n_out*n_vocab);
+        }
+        if (embd.data && embd.size > 0) {
+            o.embd.assign(embd.data, embd.data + (size_t) o.n_out*n_embd_out);
+        }
+        if (nextn_rows && embd_nextn.data) {
+            o.nextn.assign(embd_nextn.data, embd_nextn.data + n_tok*n_embd_out);
+        }
+        return o;
+    };
+
+    llama_batch_ext head = batch;
+    head.tokens.resize(j);
+    int ret = decode_impl(head);
+    if (ret != 0) {
+        return ret;
+    }
+    const part_out a = take(j);
+    km->select(s);
+    llama_batch_ext rest = batch;
+    rest.tokens.erase(rest.tokens.begin(), rest.tokens.begin() + j);
+    ret = decode_impl(rest);
+    if (ret != 0) {
+        return ret;
+    }
+    const part_out b = take(n - j);
+
+    const int32_t n_out = a.n_out + b.n_out;
+    if (output_reserve(n_out) < (uint32_t) n_out) {
+        return -2;
+    }
+    if (logits.data) {
+        std::memcpy(logits.data, a.logits.data(), a.logits.size()*sizeof(float));
+        std::memcpy(logits.data + (size_t) a.n_out*n_vocab, b.logits.data(), b.logits.size()*sizeof(float));
+    }
+    if (embd.data && !a.embd.empty()) {
+        std::memcpy(embd.data, a.embd.data(), a.embd.size()*sizeof(float));
+        std::memcpy(embd.data + (size_t) a.n_out*n_embd_out, b.embd.data(), b.embd.size()*sizeof(float));
+    }
+    if (embd_nextn.data && !a.nextn.empty() && !b.nextn.empty()) {
+        std::memcpy(embd_nextn.data, a.nextn.data(), a.nextn.size()*sizeof(float));
+        std::memcpy(embd_nextn.data + j*n_embd_out, b.nextn.data(), b.nextn.size()*sizeof(float));
+    }
+    std::fill(output_ids.begin(), output_ids.end(), -1);
+    for (size_t i = 0; i < j; ++i) {
+        output_ids[i] = a.ids[i];
+    }
+    for (size_t i = 0; i < n - j; ++i) {
+        output_ids[j + i] = b.ids[i] >= 0 ? a.n_out + b.ids[i] : -1;
+    }
+    n_outputs = n_out;
+    return 0;
 }
 
 void llama_context::kvmem_after_ubatch(const llm_graph_result * res, const llama_ubatch & ubatch) {

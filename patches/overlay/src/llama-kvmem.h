@@ -109,8 +109,8 @@ public:
     bool is_follower() const { return leader != nullptr; }
     void follow_leader();
 
-    // decode-time refresh: count generated tokens of a sequence; true when it is due a re-selection
-    bool count_generated(llama_seq_id seq_id, uint32_t n);
+    // decode-time refresh: the position at which the sequence is re-selected next, -1 = none
+    llama_pos refresh_pos(llama_seq_id seq_id) const;
 
 private:
     struct hblock {
@@ -122,10 +122,12 @@ private:
 
     struct seq_state {
         std::map<int32_t, hblock> blocks;                   // completed blocks on the host, by block index
-        std::map<int32_t, std::vector<float>> kbox;          // [n_lt][2][n_head_kv][head_dim] element-wise key min, max
-        std::deque<std::vector<float>> q;                   // last query rows [n_lt][n_head][head_dim]
+        std::map<int32_t, std::vector<float>> kbox;          // [n_lt][n_head_kv][max | min][head_dim] per complete block
+        std::map<llama_pos, std::vector<float>> krow;       // pre-RoPE keys [n_lt][n_head_kv][head_dim] of the two
+                                                            // newest blocks: a box is rebuilt exactly after a truncation
+        std::deque<std::pair<llama_pos, std::vector<float>>> q; // last query rows [n_lt][n_head][head_dim], by position
         int32_t next_host = 0;                              // first block index not yet on the host
-        uint32_t n_generated = 0;                           // tokens decoded since the last selection
+        llama_pos refresh_at = -1;                          // next decode-time re-selection at this position
         int64_t n_select = 0;
         double  last_ms  = 0.0;
     };
@@ -155,6 +157,8 @@ private:
     llama_kvmem_cache * leader = nullptr;
     std::vector<llama_kvmem_cache *> followers;
     bool resident_in_leader(llama_seq_id seq_id, int32_t b) const;
+    void forget_from(seq_state & st, llama_pos p0, llama_pos p1); // drop key rows, boxes and query rows in [p0, p1)
+    void build_box(seq_state & st, int32_t b);                   // the block's box from its key rows, if all present
 
     // totals
     int64_t n_selections   = 0;
@@ -181,6 +185,7 @@ private:
     std::vector<ggml_backend_t> copy_backends; // owned, one per device
     std::vector<ggml_backend_t> copy_backend;  // per tiered layer, nullptr = host memory
     bool copies_pending = false;
+    uint32_t stage_hint = 0; // cell where the next search for free cells starts
     void upload(uint32_t lt, ggml_tensor * t, const void * src, size_t offset, size_t size);
     void download(uint32_t lt, ggml_tensor * t, void * dst, size_t offset, size_t size);
     void copies_wait();
