@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_kvmem_engine import SMALL, haystack_prompt
+from test_kvmem_engine import SMALL, essay, haystack_prompt
 
 from kvmem_llama import kvmem_log, synth
 from kvmem_llama.shipped import shipped_model_path
@@ -180,3 +180,17 @@ def test_speculative_draft_simple_with_tiering_on_real_models(llama_server) -> N
     print(f"draft-simple acceptance {timings['draft_n_accepted']}/{timings['draft_n']}")
     assert len(kvmem_log.selects(plain_log)) == 1 + 64 // 16 - 1  # the turn + refreshes within 64 tokens
     assert kvmem_log.selects(log)
+
+
+def test_a_full_host_pool_frees_idle_slots_like_a_full_kv_cache(llama_server, smollm2) -> None:
+    """The host pool holds the context (shared by the slots, like a unified KV cache). When a new request on
+    another slot would overflow it, the batch is refused the way a full KV cache is, so the server purges
+    the idle slot and the request completes (it used to fail with "host pool is full")."""
+    args = ["-c", "4096", "-np", "2", "--kv-unified", "--kvmem-budget", "640", *SMALL]
+    with llama_server(smollm2, args) as srv:
+        first = complete(srv.url, essay(90), n_predict=4, cache_prompt=True)  # shares no prefix: another slot
+        second = complete(srv.url, haystack_prompt(700, 0.5, "Falcon", "5550123"), n_predict=12, cache_prompt=True)
+        log = srv.log()
+    assert first["tokens_evaluated"] + second["tokens_evaluated"] > 4096
+    assert "purging slot" in log
+    assert "5550123" in second["content"]

@@ -314,7 +314,7 @@ llama_memory_context_ptr llama_kvmem_cache::init_batch(llama_batch_allocr & ball
         }
         ubatches.push_back(std::move(ubatch)); // NOLINT
     }
-    if (balloc.get_n_used() < balloc.get_n_tokens()) {
+    if (balloc.get_n_used() < balloc.get_n_tokens() || !host_room_for(ubatches)) {
         return std::make_unique<llama_kv_cache_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
     }
     slot_info_vec_t sinfos(ubatches.size());
@@ -346,6 +346,34 @@ void llama_kvmem_cache::copies_wait() {
         }
         copies_pending = false;
     }
+}
+
+bool llama_kvmem_cache::host_room_for(const std::vector<llama_ubatch> & ubatches) {
+    // every block the batch completes is written through to the host pool; when it would not fit, the
+    // batch is refused before any work (decode returns 1, as for a full KV cache, so the server frees
+    // idle slots of a shared pool and retries)
+    std::map<llama_seq_id, llama_pos> pmax;
+    for (const auto & ub : ubatches) {
+        for (uint32_t i = 0; i < ub.n_tokens; ++i) {
+            const llama_seq_id s = ub.seq_id[i][0];
+            const auto it = pmax.find(s);
+            pmax[s] = it == pmax.end() ? ub.pos[i] : std::max(it->second, ub.pos[i]);
+        }
+    }
+    uint32_t need = 0;
+    for (const auto & [s, p] : pmax) {
+        const auto it = seqs.find(s);
+        const int32_t next = it == seqs.end() ? 0 : it->second.next_host;
+        const int32_t done = (p + 1)/(int32_t) kp.block;
+        need += done > next ? done - next : 0;
+    }
+    if (need <= free_slots.size()) {
+        return true;
+    }
+    set_last_error(format("KV tiering host pool is full (%u blocks of %u tokens, %.1f MiB, %zu free): this request needs %u more; "
+            "raise --kvmem-host-mib (or lower the context)", host_slots, kp.block,
+            (double) host_slots*block_bytes/1024.0/1024.0, free_slots.size(), need));
+    return false;
 }
 
 uint32_t llama_kvmem_cache::max_ubatch(uint32_t n_ubatch) const {
@@ -1287,7 +1315,7 @@ public:
             }
             ubatches.push_back(std::move(ubatch)); // NOLINT
         }
-        if (balloc.get_n_used() < balloc.get_n_tokens() || !recr->prepare(ubatches)) {
+        if (balloc.get_n_used() < balloc.get_n_tokens() || !km->host_room_for(ubatches) || !recr->prepare(ubatches)) {
             return std::make_unique<llama_memory_hybrid_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
         }
         llama_kv_cache::slot_info_vec_t sinfos(ubatches.size());

@@ -90,6 +90,9 @@ public:
 
     const llama_kvmem_params & params() const { return kp; }
 
+    // false (and the error set) when the blocks these ubatches complete do not fit in the host pool
+    bool host_room_for(const std::vector<llama_ubatch> & ubatches);
+
     // largest ubatch that fits next to the sink and one block of history
     uint32_t max_ubatch(uint32_t n_ubatch) const;
 
