@@ -314,11 +314,42 @@ llama_memory_context_ptr llama_kvmem_cache::init_batch(llama_batch_allocr & ball
         }
         ubatches.push_back(std::move(ubatch)); // NOLINT
     }
-    if (balloc.get_n_used() < balloc.get_n_tokens() || !host_room_for(ubatches)) {
+    if (balloc.get_n_used() < balloc.get_n_tokens() || !host_room_for(ubatches.data(), ubatches.size())) {
         return std::make_unique<llama_kv_cache_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
     }
     slot_info_vec_t sinfos(ubatches.size());
     return std::make_unique<llama_kvmem_context>(this, std::move(sinfos), std::move(ubatches));
+}
+
+void llama_kvmem_cache::copy_block(uint8_t * host, const std::vector<uint32_t> & idx, bool to_device) {
+    // host slot layout: per tiered layer the block's K rows, then its V rows; cells idx[t] hold token t.
+    // Runs of consecutive cells move in one copy per layer and K/V.
+    const uint32_t B = kp.block;
+    for (uint32_t lt = 0; lt < n_lt; ++lt) {
+        uint8_t * hk = host;
+        uint8_t * hv = host + (size_t) B*row_k[lt];
+        for (uint32_t t = 0; t < B; ) {
+            uint32_t r = 1;
+            while (t + r < B && idx[t + r] == idx[t] + r) {
+                r++;
+            }
+            for (const bool is_v : { false, true }) {
+                ggml_tensor * tensor = is_v ? layers[lt].v : layers[lt].k;
+                const size_t row = is_v ? row_v[lt] : row_k[lt];
+                if (!tensor) {
+                    continue;
+                }
+                uint8_t * h = (is_v ? hv : hk) + (size_t) t*row;
+                if (to_device) {
+                    upload(lt, tensor, h, (size_t) idx[t]*row, (size_t) r*row);
+                } else {
+                    download(lt, tensor, h, (size_t) idx[t]*row, (size_t) r*row);
+                }
+            }
+            t += r;
+        }
+        host += (size_t) B*(row_k[lt] + row_v[lt]);
+    }
 }
 
 void llama_kvmem_cache::upload(uint32_t lt, ggml_tensor * t, const void * src, size_t offset, size_t size) {
@@ -348,12 +379,13 @@ void llama_kvmem_cache::copies_wait() {
     }
 }
 
-bool llama_kvmem_cache::host_room_for(const std::vector<llama_ubatch> & ubatches) {
+bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ubatches) {
     // every block the batch completes is written through to the host pool; when it would not fit, the
     // batch is refused before any work (decode returns 1, as for a full KV cache, so the server frees
     // idle slots of a shared pool and retries)
     std::map<llama_seq_id, llama_pos> pmax;
-    for (const auto & ub : ubatches) {
+    for (size_t u = 0; u < n_ubatches; ++u) {
+        const llama_ubatch & ub = ubatches[u];
         for (uint32_t i = 0; i < ub.n_tokens; ++i) {
             const llama_seq_id s = ub.seq_id[i][0];
             const auto it = pmax.find(s);
@@ -584,34 +616,13 @@ bool llama_kvmem_cache::evict_one(llama_seq_id prefer_seq) {
 }
 
 bool llama_kvmem_cache::prepare_ubatch(const llama_ubatch & ubatch, slot_info & sinfo) {
-    const int32_t B = kp.block;
     copies_wait();
 
-    // the host pool must take every block this ubatch completes (write-through)
-    {
-        std::map<llama_seq_id, llama_pos> pmax;
-        for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
-            const llama_seq_id s = ubatch.seq_id[i][0];
-            auto it = pmax.find(s);
-            pmax[s] = it == pmax.end() ? ubatch.pos[i] : std::max(it->second, ubatch.pos[i]);
-        }
-        uint32_t need = 0;
-        for (auto & [s, p] : pmax) {
-            auto it = seqs.find(s);
-            const int32_t next = it == seqs.end() ? 0 : it->second.next_host;
-            const int32_t done = (p + 1)/B;
-            if (done > next) {
-                need += done - next;
-            }
-        }
-        if (need > free_slots.size()) {
-            const std::string msg = format("KV tiering host pool is full (%u blocks of %u tokens, %.1f MiB): this request needs more; "
-                    "raise --kvmem-host-mib (or lower the context)", host_slots, kp.block,
-                    (double) host_slots*block_bytes/1024.0/1024.0);
-            LLAMA_LOG_ERROR("%s: %s\n", __func__, msg.c_str());
-            set_last_error(msg);
-            return false;
-        }
+    // the host pool must take every block this ubatch completes (write-through); init_batch checked the
+    // whole batch already, this guards contexts whose ubatches were split elsewhere
+    if (!host_room_for(&ubatch, 1)) {
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, get_last_error().c_str());
+        return false;
     }
 
     for (;;) {
@@ -667,23 +678,7 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
         for (int32_t t = 0; t < B; ++t) {
             hb.ext[t] = cells.ext_get(idx[t]);
         }
-        uint8_t * dst = slot_ptr(hb.slot);
-        for (uint32_t lt = 0; lt < n_lt; ++lt) {
-            uint8_t * dk = dst;
-            uint8_t * dv = dst + (size_t) B*row_k[lt];
-            for (int32_t t = 0; t < B; ) {
-                int32_t r = 1;
-                while (t + r < B && idx[t + r] == idx[t] + r) {
-                    r++;
-                }
-                download(lt, layers[lt].k, dk + (size_t) t*row_k[lt], (size_t) idx[t]*row_k[lt], (size_t) r*row_k[lt]);
-                if (layers[lt].v) {
-                    download(lt, layers[lt].v, dv + (size_t) t*row_v[lt], (size_t) idx[t]*row_v[lt], (size_t) r*row_v[lt]);
-                }
-                t += r;
-            }
-            dst += (size_t) B*(row_k[lt] + row_v[lt]);
-        }
+        copy_block(slot_ptr(hb.slot), idx, /*to_device*/ false);
         st.blocks.emplace(b, std::move(hb));
     }
     copies_wait();
@@ -721,23 +716,7 @@ bool llama_kvmem_cache::stage_in(llama_seq_id seq_id, int32_t b, hblock & hb) {
     }
     stage_hint = (idx.back() + 1) % n_cells;
 
-    const uint8_t * src = slot_ptr(hb.slot);
-    for (uint32_t lt = 0; lt < n_lt; ++lt) {
-        const uint8_t * sk = src;
-        const uint8_t * sv = src + (size_t) B*row_k[lt];
-        for (int32_t t = 0; t < B; ) {
-            int32_t r = 1;
-            while (t + r < B && idx[t + r] == idx[t] + r) {
-                r++;
-            }
-            upload(lt, layers[lt].k, sk + (size_t) t*row_k[lt], (size_t) idx[t]*row_k[lt], (size_t) r*row_k[lt]);
-            if (layers[lt].v) {
-                upload(lt, layers[lt].v, sv + (size_t) t*row_v[lt], (size_t) idx[t]*row_v[lt], (size_t) r*row_v[lt]);
-            }
-            t += r;
-        }
-        src += (size_t) B*(row_k[lt] + row_v[lt]);
-    }
+    copy_block(slot_ptr(hb.slot), idx, /*to_device*/ true);
     for (int32_t t = 0; t < B; ++t) {
         cells.pos_set(idx[t], b*B + t);
         cells.ext_set(idx[t], hb.ext[t]);
@@ -760,37 +739,45 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
 
     std::vector<float> buf;
 
-    // pre-RoPE key rows by position; the box (element-wise min/max) of every block this ubatch completed
+    // pre-RoPE keys of the ubatch ([layer][token][kv head][head_dim], a scratch reused across ubatches):
+    // the box (element-wise min/max) of every block this ubatch completed is built from them, and only the
+    // rows of each sequence's two newest blocks are kept (to rebuild a box after a truncation)
     if (!leader) {
-        std::vector<std::vector<float> *> dst(nt, nullptr);
-        std::set<std::pair<llama_seq_id, int32_t>> touched;
-        for (uint32_t i = 0; i < nt; ++i) {
-            const llama_seq_id s = ubatch.seq_id[i][0];
-            auto & row = seqs[s].krow[ubatch.pos[i]];
-            row.assign((size_t) n_lt*per_k, 0.0f);
-            dst[i] = &row;
-            touched.insert({ s, ubatch.pos[i]/B });
-        }
+        kscratch.resize((size_t) n_lt*nt*per_k);
         for (uint32_t lt = 0; lt < n_lt; ++lt) {
             const uint32_t il = layers[lt].il;
             ggml_tensor * t = il < res->t_kvmem_k.size() ? res->t_kvmem_k[il] : nullptr;
-            if (!t || (size_t) ggml_nelements(t) != per_k*nt) {
-                continue;
-            }
-            buf.resize(ggml_nelements(t));
-            ggml_backend_tensor_get(t, buf.data(), 0, ggml_nbytes(t));
-            for (uint32_t i = 0; i < nt; ++i) {
-                std::memcpy(dst[i]->data() + (size_t) lt*per_k, buf.data() + i*per_k, per_k*sizeof(float));
+            if (t && (size_t) ggml_nelements(t) == per_k*nt) {
+                ggml_backend_tensor_get(t, kscratch.data() + (size_t) lt*nt*per_k, 0, ggml_nbytes(t));
             }
         }
-        for (const auto & [s, blk] : touched) {
-            build_box(seqs[s], blk);
+        std::map<llama_seq_id, std::map<llama_pos, uint32_t>> in_ubatch; // position -> token of this ubatch
+        for (uint32_t i = 0; i < nt; ++i) {
+            in_ubatch[ubatch.seq_id[i][0]][ubatch.pos[i]] = i;
         }
-        for (const auto & [s, blk] : touched) {
-            auto & kr = seqs[s].krow;
-            if (!kr.empty()) {
-                const llama_pos keep_from = std::max<llama_pos>(0, (kr.rbegin()->first/B - 1)*B);
-                kr.erase(kr.begin(), kr.lower_bound(keep_from));
+        for (auto & [s, toks] : in_ubatch) {
+            auto & st = seqs[s];
+            const llama_pos keep_from = std::max<llama_pos>(0, (toks.rbegin()->first/B - 1)*B);
+            auto key_row = [&](llama_pos pos, uint32_t lt) -> const float * {
+                const auto it = toks.find(pos);
+                if (it != toks.end()) {
+                    return kscratch.data() + ((size_t) lt*nt + it->second)*per_k;
+                }
+                const auto kr = st.krow.find(pos);
+                return kr == st.krow.end() ? nullptr : kr->second.data() + (size_t) lt*per_k;
+            };
+            for (int32_t blk = toks.begin()->first/B; blk <= toks.rbegin()->first/B; ++blk) {
+                build_box(st, blk, key_row);
+            }
+            st.krow.erase(st.krow.begin(), st.krow.lower_bound(keep_from));
+            for (auto it = toks.lower_bound(keep_from); it != toks.end(); ++it) {
+                auto & row = st.krow[it->first];
+                row.clear();
+                row.reserve((size_t) n_lt*per_k);
+                for (uint32_t lt = 0; lt < n_lt; ++lt) {
+                    const float * src = kscratch.data() + ((size_t) lt*nt + it->second)*per_k;
+                    row.insert(row.end(), src, src + per_k);
+                }
             }
         }
     }
@@ -1121,30 +1108,32 @@ void llama_kvmem_cache::forget_from(seq_state & st, llama_pos p0, llama_pos p1) 
     }
 }
 
-void llama_kvmem_cache::build_box(seq_state & st, int32_t b) {
+void llama_kvmem_cache::build_box(seq_state & st, int32_t b,
+        const std::function<const float * (llama_pos, uint32_t)> & key_row) {
     const int32_t B = kp.block;
-    const auto first = st.krow.lower_bound(b*B);
-    const auto last  = st.krow.lower_bound((b + 1)*B);
-    if (std::distance(first, last) != B) {
-        return; // not complete (yet)
+    for (llama_pos pos = b*B; pos < (b + 1)*B; ++pos) {
+        if (!key_row(pos, 0)) {
+            return; // not complete (yet)
+        }
     }
-    const size_t per_k = (size_t) n_head_kv*head_dim;
     // layout [layer][kv head][max | min][head_dim]: one contiguous row per (layer, head)
     auto & kb = st.kbox[b];
-    kb.resize((size_t) n_lt*2*per_k);
+    kb.resize((size_t) n_lt*n_head_kv*2*head_dim);
     for (size_t o = 0; o < kb.size(); o += 2*head_dim) {
         std::fill(kb.begin() + o,            kb.begin() + o + head_dim,   -INFINITY);
         std::fill(kb.begin() + o + head_dim, kb.begin() + o + 2*head_dim, INFINITY);
     }
-    for (auto it = first; it != last; ++it) {
-        const float * src = it->second.data();
-        for (size_t lh = 0; lh < (size_t) n_lt*n_head_kv; ++lh) {
-            float * kmx = kb.data() + lh*2*head_dim;
-            float * kmn = kmx + head_dim;
-            const float * sh = src + lh*head_dim;
-            for (uint32_t d = 0; d < head_dim; ++d) {
-                kmx[d] = std::max(kmx[d], sh[d]);
-                kmn[d] = std::min(kmn[d], sh[d]);
+    for (llama_pos pos = b*B; pos < (b + 1)*B; ++pos) {
+        for (uint32_t lt = 0; lt < n_lt; ++lt) {
+            const float * src = key_row(pos, lt);
+            for (uint32_t hk = 0; hk < n_head_kv; ++hk) {
+                float * kmx = kb.data() + ((size_t) lt*n_head_kv + hk)*2*head_dim;
+                float * kmn = kmx + head_dim;
+                const float * sh = src + (size_t) hk*head_dim;
+                for (uint32_t d = 0; d < head_dim; ++d) {
+                    kmx[d] = std::max(kmx[d], sh[d]);
+                    kmn[d] = std::min(kmn[d], sh[d]);
+                }
             }
         }
     }
@@ -1315,7 +1304,7 @@ public:
             }
             ubatches.push_back(std::move(ubatch)); // NOLINT
         }
-        if (balloc.get_n_used() < balloc.get_n_tokens() || !km->host_room_for(ubatches) || !recr->prepare(ubatches)) {
+        if (balloc.get_n_used() < balloc.get_n_tokens() || !km->host_room_for(ubatches.data(), ubatches.size()) || !recr->prepare(ubatches)) {
             return std::make_unique<llama_memory_hybrid_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
         }
         llama_kv_cache::slot_info_vec_t sinfos(ubatches.size());
@@ -1583,26 +1572,8 @@ int llama_context::kvmem_decode_multi(const llama_batch_ext & batch) {
         return 0;
     }
 
-    // the first pass's outputs, in batch order
-    output_reorder();
-    const size_t n_vocab = model.vocab.n_tokens();
-    const size_t n_embd_out = model.hparams.n_embd_out();
-    const bool nextn_rows = cparams.embeddings_nextn && !cparams.embeddings_nextn_masked && embd_nextn.data;
-    std::vector<int32_t> ids1(output_ids.begin(), output_ids.begin() + std::min(n, output_ids.size()));
-    int32_t n_out1 = 0;
-    for (const auto id : ids1) {
-        n_out1 = std::max(n_out1, id + 1);
-    }
-    std::vector<float> logits1, embd1, nextn1;
-    if (logits.data) {
-        logits1.assign(logits.data, logits.data + (size_t) n_out1*n_vocab);
-    }
-    if (embd.data && embd.size > 0) {
-        embd1.assign(embd.data, embd.data + (size_t) n_out1*n_embd_out);
-    }
-    if (nextn_rows) {
-        nextn1.assign(embd_nextn.data, embd_nextn.data + n*n_embd_out);
-    }
+    llama_kvmem_outputs first;
+    kvmem_take_outputs(n, first);
 
     // tails of the staged sequences, in batch order
     std::map<llama_seq_id, size_t> left;
@@ -1640,37 +1611,27 @@ int llama_context::kvmem_decode_multi(const llama_batch_ext & batch) {
     }
 
     // merge: the recomputed rows replace the first pass's rows of the same batch tokens
-    output_reorder();
+    llama_kvmem_outputs redo;
+    kvmem_take_outputs(tail_idx.size(), redo);
+    const size_t n_vocab = model.vocab.n_tokens();
+    const size_t n_embd_out = model.hparams.n_embd_out();
     for (size_t j = 0; j < tail_idx.size(); ++j) {
         const size_t i = tail_idx[j];
-        if (nextn_rows && embd_nextn.data) {
-            std::memcpy(nextn1.data() + i*n_embd_out, embd_nextn.data + j*n_embd_out, n_embd_out*sizeof(float));
+        if (!first.nextn.empty() && !redo.nextn.empty()) {
+            std::memcpy(first.nextn.data() + i*n_embd_out, redo.nextn.data() + j*n_embd_out, n_embd_out*sizeof(float));
         }
-        if (!batch.tokens[i].output || ids1[i] < 0 || output_ids[j] < 0) {
+        if (!batch.tokens[i].output || first.ids[i] < 0 || redo.ids[j] < 0) {
             continue;
         }
-        const size_t r1 = ids1[i], r2 = output_ids[j];
-        if (!logits1.empty()) {
-            std::memcpy(logits1.data() + r1*n_vocab, logits.data + r2*n_vocab, n_vocab*sizeof(float));
+        const size_t r1 = first.ids[i], r2 = redo.ids[j];
+        if (!first.logits.empty()) {
+            std::memcpy(first.logits.data() + r1*n_vocab, redo.logits.data() + r2*n_vocab, n_vocab*sizeof(float));
         }
-        if (!embd1.empty()) {
-            std::memcpy(embd1.data() + r1*n_embd_out, embd.data + r2*n_embd_out, n_embd_out*sizeof(float));
+        if (!first.embd.empty()) {
+            std::memcpy(first.embd.data() + r1*n_embd_out, redo.embd.data() + r2*n_embd_out, n_embd_out*sizeof(float));
         }
     }
-    output_reserve(n_out1); // lays the views out for the first pass's outputs again (same buffer)
-    if (!logits1.empty()) {
-        std::memcpy(logits.data, logits1.data(), logits1.size()*sizeof(float));
-    }
-    if (!embd1.empty()) {
-        std::memcpy(embd.data, embd1.data(), embd1.size()*sizeof(float));
-    }
-    if (!nextn1.empty() && embd_nextn.data) {
-        std::memcpy(embd_nextn.data, nextn1.data(), nextn1.size()*sizeof(float));
-    }
-    std::fill(output_ids.begin(), output_ids.end(), -1);
-    std::copy(ids1.begin(), ids1.end(), output_ids.begin());
-    n_outputs = n_out1;
-    return 0;
+    return kvmem_put_outputs(first) ? 0 : -2;
 }
 
 void llama_context::kvmem_refresh(const llama_batch_ext & batch, const std::vector<llama_seq_id> & turns) {
@@ -1697,41 +1658,14 @@ int llama_context::kvmem_decode_split(const llama_batch_ext & batch, size_t j, l
     // one; the outputs of both decodes are put back together in the caller's order
     auto * km = llama_kvmem_cache::from(memory.get());
     const size_t n = batch.tokens.size();
-    const size_t n_vocab = model.vocab.n_tokens();
-    const size_t n_embd_out = model.hparams.n_embd_out();
-    const bool nextn_rows = cparams.embeddings_nextn && !cparams.embeddings_nextn_masked;
-
-    struct part_out {
-        std::vector<int32_t> ids;
-        int32_t n_out = 0;
-        std::vector<float> logits, embd, nextn;
-    };
-    auto take = [&](size_t n_tok) {
-        output_reorder();
-        part_out o;
-        o.ids.assign(output_ids.begin(), output_ids.begin() + std::min(n_tok, output_ids.size()));
-        for (const auto id : o.ids) {
-            o.n_out = std::max(o.n_out, id + 1);
-        }
-        if (logits.data) {
-            o.logits.assign(logits.data, logits.data + (size_t) o.n_out*n_vocab);
-        }
-        if (embd.data && embd.size > 0) {
-            o.embd.assign(embd.data, embd.data + (size_t) o.n_out*n_embd_out);
-        }
-        if (nextn_rows && embd_nextn.data) {
-            o.nextn.assign(embd_nextn.data, embd_nextn.data + n_tok*n_embd_out);
-        }
-        return o;
-    };
-
     llama_batch_ext head = batch;
     head.tokens.resize(j);
     int ret = decode_impl(head);
     if (ret != 0) {
         return ret;
     }
-    const part_out a = take(j);
+    llama_kvmem_outputs a;
+    kvmem_take_outputs(j, a);
     km->select(s);
     llama_batch_ext rest = batch;
     rest.tokens.erase(rest.tokens.begin(), rest.tokens.begin() + j);
@@ -1739,33 +1673,59 @@ int llama_context::kvmem_decode_split(const llama_batch_ext & batch, size_t j, l
     if (ret != 0) {
         return ret;
     }
-    const part_out b = take(n - j);
+    llama_kvmem_outputs b;
+    kvmem_take_outputs(n - j, b);
+    for (const auto id : b.ids) {
+        a.ids.push_back(id >= 0 ? a.n_out + id : -1);
+    }
+    a.n_out += b.n_out;
+    a.logits.insert(a.logits.end(), b.logits.begin(), b.logits.end());
+    a.embd.insert(a.embd.end(), b.embd.begin(), b.embd.end());
+    a.nextn.insert(a.nextn.end(), b.nextn.begin(), b.nextn.end()); // both or neither: same context settings
+    return kvmem_put_outputs(a) ? 0 : -2;
+}
 
-    const int32_t n_out = a.n_out + b.n_out;
-    if (output_reserve(n_out) < (uint32_t) n_out) {
-        return -2;
+void llama_context::kvmem_take_outputs(size_t n_tok, llama_kvmem_outputs & o) {
+    output_reorder();
+    const size_t n_vocab = model.vocab.n_tokens();
+    const size_t n_embd_out = model.hparams.n_embd_out();
+    o.ids.assign(output_ids.begin(), output_ids.begin() + std::min(n_tok, output_ids.size()));
+    o.n_out = 0;
+    for (const auto id : o.ids) {
+        o.n_out = std::max(o.n_out, id + 1);
     }
+    o.logits.clear();
+    o.embd.clear();
+    o.nextn.clear();
     if (logits.data) {
-        std::memcpy(logits.data, a.logits.data(), a.logits.size()*sizeof(float));
-        std::memcpy(logits.data + (size_t) a.n_out*n_vocab, b.logits.data(), b.logits.size()*sizeof(float));
+        o.logits.assign(logits.data, logits.data + (size_t) o.n_out*n_vocab);
     }
-    if (embd.data && !a.embd.empty()) {
-        std::memcpy(embd.data, a.embd.data(), a.embd.size()*sizeof(float));
-        std::memcpy(embd.data + (size_t) a.n_out*n_embd_out, b.embd.data(), b.embd.size()*sizeof(float));
+    if (embd.data && embd.size > 0) {
+        o.embd.assign(embd.data, embd.data + (size_t) o.n_out*n_embd_out);
     }
-    if (embd_nextn.data && !a.nextn.empty() && !b.nextn.empty()) {
-        std::memcpy(embd_nextn.data, a.nextn.data(), a.nextn.size()*sizeof(float));
-        std::memcpy(embd_nextn.data + j*n_embd_out, b.nextn.data(), b.nextn.size()*sizeof(float));
+    // draft-mtp reads one unmasked next-n row per batch token
+    if (cparams.embeddings_nextn && !cparams.embeddings_nextn_masked && embd_nextn.data) {
+        o.nextn.assign(embd_nextn.data, embd_nextn.data + n_tok*n_embd_out);
+    }
+}
+
+bool llama_context::kvmem_put_outputs(const llama_kvmem_outputs & o) {
+    if (output_reserve(o.n_out) < (uint32_t) o.n_out) { // lays the views out for these outputs again
+        return false;
+    }
+    if (logits.data && !o.logits.empty()) {
+        std::memcpy(logits.data, o.logits.data(), o.logits.size()*sizeof(float));
+    }
+    if (embd.data && !o.embd.empty()) {
+        std::memcpy(embd.data, o.embd.data(), o.embd.size()*sizeof(float));
+    }
+    if (embd_nextn.data && !o.nextn.empty()) {
+        std::memcpy(embd_nextn.data, o.nextn.data(), o.nextn.size()*sizeof(float));
     }
     std::fill(output_ids.begin(), output_ids.end(), -1);
-    for (size_t i = 0; i < j; ++i) {
-        output_ids[i] = a.ids[i];
-    }
-    for (size_t i = 0; i < n - j; ++i) {
-        output_ids[j + i] = b.ids[i] >= 0 ? a.n_out + b.ids[i] : -1;
-    }
-    n_outputs = n_out;
-    return 0;
+    std::copy(o.ids.begin(), o.ids.end(), output_ids.begin());
+    n_outputs = o.n_out;
+    return true;
 }
 
 void llama_context::kvmem_after_ubatch(const llm_graph_result * res, const llama_ubatch & ubatch) {

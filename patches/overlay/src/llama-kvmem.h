@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <map>
 #include <string>
@@ -91,7 +92,7 @@ public:
     const llama_kvmem_params & params() const { return kp; }
 
     // false (and the error set) when the blocks these ubatches complete do not fit in the host pool
-    bool host_room_for(const std::vector<llama_ubatch> & ubatches);
+    bool host_room_for(const llama_ubatch * ubatches, size_t n_ubatches);
 
     // largest ubatch that fits next to the sink and one block of history
     uint32_t max_ubatch(uint32_t n_ubatch) const;
@@ -161,7 +162,9 @@ private:
     std::vector<llama_kvmem_cache *> followers;
     bool resident_in_leader(llama_seq_id seq_id, int32_t b) const;
     void forget_from(seq_state & st, llama_pos p0, llama_pos p1); // drop key rows, boxes and query rows in [p0, p1)
-    void build_box(seq_state & st, int32_t b);                   // the block's box from its key rows, if all present
+    // the block's box from its key rows (by position, per tiered layer), if all rows are there
+    void build_box(seq_state & st, int32_t b, const std::function<const float * (llama_pos, uint32_t)> & key_row);
+    std::vector<float> kscratch; // the ubatch's pre-RoPE keys, reused across ubatches
 
     // totals
     int64_t n_selections   = 0;
@@ -192,6 +195,7 @@ private:
     void upload(uint32_t lt, ggml_tensor * t, const void * src, size_t offset, size_t size);
     void download(uint32_t lt, ggml_tensor * t, void * dst, size_t offset, size_t size);
     void copies_wait();
+    void copy_block(uint8_t * host, const std::vector<uint32_t> & idx, bool to_device); // a host slot <-> cells idx
 
     uint8_t * slot_ptr(uint32_t slot) const { return host_base + (size_t) slot*block_bytes; }
 
@@ -203,6 +207,14 @@ private:
     void write_through(llama_seq_id seq_id);
     uint32_t n_resident_blocks() const;
     uint32_t n_host_blocks() const;
+};
+
+// outputs of one decode (logits, embeddings, unmasked next-n rows, batch index -> row), kept on the host
+// while the context decodes again, then put back (kvmem recomputes or splits batches)
+struct llama_kvmem_outputs {
+    std::vector<int32_t> ids;
+    int32_t n_out = 0;
+    std::vector<float> logits, embd, nextn;
 };
 
 // graph hook: called from the attention builder for every attention layer when kvmem is on;
