@@ -6,11 +6,15 @@
     kvmem_score: FOLLOW seq=.. n_blocks=.. staged_in=.. staged_out=.. resident=.. target_resident=.. common=..
     kvmem_score: DRAFT follows the target's selection: blocks=.. layers=.. host_mib=..
     kvmem_score: DISABLED (<reason>)
+    kvmem_trace: resident seq=.. pos=.. reason=turn|refresh|room blocks=0-1,5,17-20   (with --kvmem-trace)
 
 SELECT is a selection of the blocks of one sequence (at a prompt's end, or a refresh during
 generation); `share` is the sequence's part of the budget in blocks when parallel sequences share
 it. FOLLOW is an MTP draft context bringing its resident blocks in line with the target's;
-DRAFT announces such a follower.
+DRAFT announces such a follower. Newer engines append keys (e.g. `reason=turn method=retrieval`
+to SELECT): the parsers keep every key=value they find and only require the documented ones.
+The trace's `resident` line lists the blocks resident after a selection (block b holds the
+positions [b*block_tokens, (b+1)*block_tokens)); `parse_resident` reads it.
 
 Each parse function takes one line (any prefix, e.g. llama.cpp's log prefix, is allowed) and
 returns a dict, or None when the line is not that event. The launcher's readiness self-test
@@ -135,3 +139,59 @@ def tiering_state(lines: Iterable[str] | str) -> str:
         elif event["event"] == "DISABLED":
             state = f"disabled: {event['reason']}"
     return state
+
+
+_RESIDENT = re.compile(r"kvmem_trace:\s+resident\b\s*(?P<rest>.*?)\s*$")
+_RANGE = re.compile(r"^(?P<lo>\d+)(?:-(?P<hi>\d+))?$")
+
+
+def expand_ranges(text: str) -> set[int]:
+    """`0-1,5,17-20` -> {0, 1, 5, 17, 18, 19, 20} (inclusive ranges); an empty text is the empty set.
+
+    Raises ValueError on anything else, so a changed format is noticed rather than misread.
+    """
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        match = _RANGE.match(part)
+        if match is None:
+            raise ValueError(f"not a block range: {part!r}")
+        lo = int(match["lo"])
+        hi = int(match["hi"]) if match["hi"] is not None else lo
+        if hi < lo:
+            raise ValueError(f"descending block range: {part!r}")
+        out.update(range(lo, hi + 1))
+    return out
+
+
+def parse_resident(line: str) -> dict | None:
+    """`{"event": "RESIDENT", "seq": int, "pos": int, "reason": str, "blocks": set[int], "ranges": str}`.
+
+    From the trace line `kvmem_trace: resident seq=.. pos=.. reason=.. blocks=..` (blocks may be
+    empty); None for other lines or when a documented key is missing or blocks do not parse.
+    """
+    match = _RESIDENT.search(line)
+    if match is None:
+        return None
+    rest = match["rest"]
+    fields = _pairs(rest)
+    # `blocks=` with nothing after it is a valid (empty) set, which _PAIR does not match
+    blocks = re.search(r"(?:^|\s)blocks=(?P<ranges>\S*)", rest)
+    if blocks is None or any(key not in fields for key in ("seq", "pos", "reason")):
+        return None
+    try:
+        resident = expand_ranges(blocks["ranges"])
+    except ValueError:
+        return None
+    fields.pop("blocks", None)
+    return {"event": "RESIDENT", **fields, "reason": str(fields["reason"]), "blocks": resident,
+            "ranges": blocks["ranges"]}
+
+
+def residents(lines: Iterable[str] | str) -> list[dict]:
+    """Every `kvmem_trace: resident` event of a log, in order."""
+    if isinstance(lines, str):
+        lines = lines.splitlines()
+    return [e for line in lines if "kvmem_trace:" in line and (e := parse_resident(line)) is not None]
