@@ -12,7 +12,8 @@ from conftest import run_llama_server
 
 from kvmem_llama.engine import Engine
 from kvmem_llama.evaluation.client import EvalClient
-from kvmem_llama.evaluation.tasks import TASKS, _cwe_frequencies, fit_sample
+from kvmem_llama.evaluation.runner import Evaluation, Plan
+from kvmem_llama.evaluation.tasks import FOLLOWUP_SHARE_A, TASKS, _cwe_frequencies, fit_sample
 
 pytestmark = pytest.mark.engine
 
@@ -38,9 +39,11 @@ def token_depth(client: EvalClient, prompt: str, span: tuple[int, int], offset: 
 def test_prompt_fills_requested_length(client: EvalClient, task: str, length: int) -> None:
     s = fit_sample(task, length, 50, 0, 7, client.count_tokens)
     # never over the target; short of it by less than one haystack unit (a word, or a list entry for cwe)
-    slack = 8 if task == "cwe" else 4
+    # (niah_followup: moving the cut between its two documents to the next sentence end moves a few tokens)
+    slack = {"cwe": 8, "niah_followup": 10}.get(task, 4)
     assert length - slack <= s.tokens <= length, (task, length, s.tokens)
-    assert client.count_tokens(s.prompt) == s.tokens  # what was measured is what is sent
+    # what was measured is what is sent (+ the answer limit of an earlier turn, whose answer is not known yet)
+    assert client.count_tokens("\n".join([*s.history, s.prompt])) + s.history_max_tokens * len(s.history) == s.tokens
     assert s.units > 0
 
 
@@ -121,3 +124,45 @@ def test_depths_of_one_sample_share_the_haystack(client: EvalClient) -> None:
     assert deep.expected == mid.expected  # same key and value, only the needle moves
     cut = mid.needle_offsets[0]
     assert deep.prompt[:cut] == mid.prompt[:cut]
+
+
+@pytest.mark.parametrize("depth", [5, 50, 95])
+def test_followup_needle_sits_in_document_b(client: EvalClient, depth: int) -> None:
+    s = fit_sample("niah_followup", 1500, depth, 0, 3, client.count_tokens)
+    (first,) = s.history
+    assert s.history_max_tokens == 16
+    assert "special magic number" not in first.split("\n", 1)[1]  # document A holds no needle
+    (offset,) = s.needle_offsets
+    assert s.prompt[offset:].startswith("One of the special magic numbers for ")
+    assert s.prompt[s.answer_offsets[0]:].startswith(s.expected[0])
+    # document A is about 45% of the haystack, document B the rest; the depth is B's
+    a_tokens = client.count_tokens(first)
+    b_tokens = client.count_tokens(s.prompt[slice(*s.context_span)])
+    assert abs(a_tokens / (a_tokens + b_tokens) - FOLLOWUP_SHARE_A) < 0.05
+    assert abs(token_depth(client, s.prompt, s.context_span, offset) - depth) <= 3.0
+    assert 1500 - 10 <= s.tokens <= 1500
+    # every depth of one sample shares both documents (the hint refits in a probe or two)
+    other = fit_sample("niah_followup", 1500, 50 if depth != 50 else 5, 0, 3, client.count_tokens, hint=s.units)
+    assert other.history == s.history and other.expected == s.expected and other.units == s.units
+
+
+@pytest.mark.parametrize("task", ["niah_single_essay", "niah_multivalue", "vt", "niah_followup"])
+def test_answer_positions_are_the_server_tokens_of_the_answers(client: EvalClient, task: str,
+                                                                tmp_path: Path) -> None:
+    """The token index found for each answer is the token of the server's chat prompt that starts it."""
+    s = fit_sample(task, 1200, 50, 0, 1, client.count_tokens)
+    messages = [m for turn in s.history for m in ({"role": "user", "content": turn},
+                                                  {"role": "assistant", "content": "OK."})]
+    messages.append({"role": "user", "content": s.prompt})
+    positions = Evaluation(Plan([task], [1200], [50], 1, 1), tmp_path).answer_positions(client, messages, s)
+    assert positions is not None and len(positions) == len(s.answer_offsets) == len(s.expected)
+    assert positions == sorted(positions)
+    # the prompt as llama-server tokenizes a chat request: special tokens added and parsed
+    rendered = client.apply_template(messages)
+    assert rendered is not None and rendered.count(s.prompt) == 1
+    tokens = client._http.post(f"{client.root}/tokenize", json={"content": rendered, "add_special": True,
+                                                                "with_pieces": True}).json()["tokens"]
+    for pos, value in zip(positions, s.expected, strict=True):
+        piece = tokens[pos]["piece"].strip()
+        assert piece and value.startswith(piece), (pos, tokens[pos], value)
+        assert "".join(t["piece"] for t in tokens[pos:pos + 8]).strip().startswith(value)

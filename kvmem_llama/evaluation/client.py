@@ -102,10 +102,76 @@ class EvalClient:
         resp.raise_for_status()
         return [t["piece"] if isinstance(t["piece"], str) else "" for t in resp.json()["tokens"]]
 
+    def apply_template(self, messages: list[dict]) -> str | None:
+        """The prompt text the server renders for these chat messages (llama.cpp `/apply-template`).
+
+        None when the server has no such endpoint (vLLM): answer positions are then unknown.
+        """
+        try:
+            resp = self._request("POST", "/apply-template", json={"messages": messages})
+        except KvmemError:
+            return None
+        if resp.status_code != 200:
+            return None
+        prompt = resp.json().get("prompt")
+        return prompt if isinstance(prompt, str) else None
+
+    def token_index(self, text: str, offsets: list[int]) -> list[int] | None:
+        """Token positions of the characters at `offsets` of `text`, tokenized as the server does a prompt.
+
+        llama-server tokenizes a chat prompt with special tokens added (BOS where the model wants
+        one) and parsed; `/tokenize` with `add_special` and `with_pieces` gives the same tokens and
+        their text, so a character offset maps to the token whose bytes contain it. Tokens the
+        tokenizer adds in front (BOS) have pieces that are not in `text` and are skipped when the
+        pieces are aligned. None when the server has no such endpoint or the pieces do not align.
+        """
+        try:
+            resp = self._request("POST", "/tokenize", json={"content": text, "add_special": True,
+                                                            "with_pieces": True})
+        except KvmemError:
+            return None
+        if resp.status_code != 200:
+            return None
+        tokens = resp.json().get("tokens") or []
+        if not tokens or not isinstance(tokens[0], dict):
+            return None
+        pieces = [t["piece"].encode("utf-8") if isinstance(t["piece"], str) else bytes(t["piece"]) for t in tokens]
+        data = text.encode("utf-8")
+        aligned = _aligned_start(pieces, data)
+        if aligned is None:
+            return None
+        lead, shift = aligned
+        starts: list[int] = []  # byte offset in `data` where each token from `lead` on begins
+        pos = -shift
+        for piece in pieces[lead:]:
+            starts.append(pos)
+            pos += len(piece)
+        out: list[int] = []
+        for offset in offsets:
+            at = len(text[:offset].encode("utf-8"))
+            # the last token starting at or before the byte: the one that holds it
+            lo, hi = 0, len(starts) - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if starts[mid] <= at:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out.append(lead + lo)
+        return out
+
     def chat(self, prompt: str, max_tokens: int, seed: int = 0) -> Completion:
         """One greedy chat completion of a single user message."""
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": max_tokens, "temperature": 0, "seed": seed}
+        return self.chat_messages([{"role": "user", "content": prompt}], max_tokens, seed)
+
+    def chat_messages(self, messages: list[dict], max_tokens: int, seed: int = 0,
+                      cache_prompt: bool | None = None) -> Completion:
+        """One greedy chat completion of a conversation. `cache_prompt` True asks llama-server to
+        reuse the cached prefix (its default; said explicitly where a follow-up turn depends on it)."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "seed": seed}
+        if cache_prompt is not None:
+            body["cache_prompt"] = cache_prompt
         start = time.perf_counter()
         resp = self._request("POST", "/v1/chat/completions", json=body)
         latency = time.perf_counter() - start
@@ -126,3 +192,21 @@ class EvalClient:
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         return Completion(text, latency, usage.get("prompt_tokens"), usage.get("completion_tokens"),
                           choice.get("finish_reason"), cached)
+
+
+def _aligned_start(pieces: list[bytes], data: bytes, max_lead: int = 4) -> tuple[int, int] | None:
+    """(leading tokens that are not part of `data` (BOS and the like), bytes the tokenizer put in
+    front of the text (SentencePiece's space)); None when the pieces do not spell `data`."""
+    total = sum(len(p) for p in pieces)
+    skipped = 0
+    for lead in range(min(max_lead, len(pieces)) + 1):
+        rest = total - skipped
+        if rest in (len(data), len(data) + 1):
+            joined = b"".join(pieces[lead:])
+            if joined == data:
+                return lead, 0
+            if joined == b" " + data:
+                return lead, 1
+        if lead < len(pieces):
+            skipped += len(pieces[lead])
+    return None

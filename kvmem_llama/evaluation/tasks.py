@@ -5,6 +5,8 @@ common-words task); `fit_sample` searches `n` with the server's tokenizer so the
 as long as requested (never longer; short by less than one unit, i.e. a few tokens).
 A sample depends only on (seed, task, length, depth, index): every configuration of a
 comparison sees exactly the same prompts, and the depths of one sample share their haystack.
+`niah_followup` is a two-request chat: its first user turn (a document, answered but not
+scored) is `Sample.history`, the scored second turn is `Sample.prompt`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear 
                 "Memorize the ones that appear most often.\n{context}\n{question}")
 CWE_QUESTION = ("Question: What are the {n} most common words in the above list? "
                 "Answer: The top {n} words that appear most often in the list are:")
+FOLLOWUP_FIRST = ("Some special magic numbers are hidden within the following documents. Make sure to memorize "
+                  "them. I will quiz you about the numbers afterwards. Here is the first document:\n{context}\n"
+                  "Reply with OK once you have read it; the second document follows.")
+FOLLOWUP_SECOND = "Here is the second document:\n{context}\n{question}"
+FOLLOWUP_SHARE_A = 0.45  # of the haystack words: document A; the rest (and the needle) is document B
+SPREAD = re.compile(r"^spread(\d+)$")
 
 
 @dataclass
@@ -38,6 +46,9 @@ class Built:
     context_span: tuple[int, int]
     needle_offsets: list[int] = field(default_factory=list)  # targets only, in prompt order
     answer_pool: frozenset[str] | None = None  # cwe: the words of the list (see scoring.score)
+    # where each target's answer begins (a needle's value; a vt statement's variable), for the hit rate
+    answer_offsets: list[int] = field(default_factory=list)
+    history: list[str] = field(default_factory=list)  # earlier user turns (niah_followup's document A)
 
 
 @dataclass
@@ -55,6 +66,9 @@ class Sample:
     context_span: tuple[int, int]
     needle_offsets: list[int]
     answer_pool: frozenset[str] | None = None
+    answer_offsets: list[int] = field(default_factory=list)  # character offsets in `prompt`
+    history: list[str] = field(default_factory=list)  # earlier user turns, each answered first
+    history_max_tokens: int = 0  # answer limit of each earlier turn (reserved in `tokens`)
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,12 @@ class Task:
     build: Callable[[random.Random, int, int | None, int], Built]  # (rng, n units, depth, length)
     max_tokens: int
     uses_depth: bool = True
+    history_max_tokens: int = 0  # > 0: a multi-turn task; each earlier turn's answer is capped at this
+
+
+def measure_text(built: Built) -> str:
+    """The text whose tokens a sample's length counts: every user turn, joined by newlines."""
+    return "\n".join([*built.history, built.prompt])
 
 
 # ---------------------------------------------------------------- helpers
@@ -95,8 +115,12 @@ def _snap(words: list[str], idx: int) -> int:
     return idx  # no boundary near: insert between words
 
 
-def _fill(words: list[str], needles: list[tuple[float, str, bool]]) -> tuple[str, list[int]]:
-    """Insert needle sentences at fractional positions of `words`; returns text and target offsets."""
+def _fill(words: list[str], needles: list[tuple[float, str, int | None]]) -> tuple[str, list[int], list[int]]:
+    """Insert needle sentences at fractional positions of `words`.
+
+    A needle is (fraction, text, answer): `answer` is where the answer begins inside a target's
+    text, None for a distractor. Returns the text, the targets' offsets and their answers' offsets.
+    """
     # depth is a fraction of the whole context, needles included: count needle words as context
     total = len(words) + sum(len(text.split()) for _, text, _ in needles)
     placed = []
@@ -110,6 +134,7 @@ def _fill(words: list[str], needles: list[tuple[float, str, bool]]) -> tuple[str
         before += len(text.split())
     parts: list[str] = []
     offsets: list[int] = []
+    answers: list[int] = []
     pos = 0
     cursor = 0
 
@@ -128,18 +153,21 @@ def _fill(words: list[str], needles: list[tuple[float, str, bool]]) -> tuple[str
             add(" ".join(words[cursor:at]))
             cursor = at
         start = add(text)
-        if target:
+        if target is not None:
             offsets.append(start)
+            answers.append(start + target)
     if cursor < len(words):
         add(" ".join(words[cursor:]))
-    return "".join(parts), offsets
+    return "".join(parts), offsets, answers
 
 
-def _render(template: str, context: str, question: str, offsets: list[int], expected: list[str]) -> Built:
+def _render(template: str, context: str, question: str, offsets: list[int], expected: list[str],
+            answers: list[int] | None = None) -> Built:
     head = template.split("{context}")[0]
     prompt = template.format(context=context, question=question)
     start = len(head)
-    return Built(prompt, expected, (start, start + len(context)), [start + o for o in offsets])
+    return Built(prompt, expected, (start, start + len(context)), [start + o for o in offsets],
+                 answer_offsets=[start + o for o in answers or []])
 
 
 def _cluster(depth: int | None, count: int, spread: float) -> list[float]:
@@ -169,6 +197,12 @@ def _needle(key: str, value: str) -> str:
     return f"One of the special magic numbers for {key} is: {value}."
 
 
+def _target(key: str, value: str) -> tuple[str, int]:
+    """A target needle and where its value (the answer) starts in it."""
+    text = _needle(key, value)
+    return text, text.rindex(value)
+
+
 def _ask(keys: list[str]) -> str:
     if len(keys) == 1:
         k = keys[0]
@@ -190,13 +224,14 @@ def _niah(kind: str, n_keys: int = 1, n_values: int = 1, n_queries: int = 1) -> 
         queried = keys[:n_queries]
         distractor_fracs = [rng.random() for _ in keys[n_queries:]]
         words = _haystack(rng, kind, n)
-        targets = [_needle(k, v) for k in queried for v in values[k]]
-        needles = [(f, t, True) for f, t in zip(_cluster(depth, len(targets), 0.1), targets, strict=True)]
-        needles += [(f, _needle(k, values[k][0]), False)
+        targets = [_target(k, v) for k in queried for v in values[k]]
+        needles: list[tuple[float, str, int | None]] = [
+            (f, text, at) for f, (text, at) in zip(_cluster(depth, len(targets), 0.1), targets, strict=True)]
+        needles += [(f, _needle(k, values[k][0]), None)
                     for f, k in zip(distractor_fracs, keys[n_queries:], strict=True)]
-        context, offsets = _fill(words, needles)
+        context, offsets, answers = _fill(words, needles)
         expected = [v for k in queried for v in values[k]]
-        return _render(NIAH_TEMPLATE, context, _ask(queried), offsets, expected)
+        return _render(NIAH_TEMPLATE, context, _ask(queried), offsets, expected, answers)
 
     return build
 
@@ -214,12 +249,32 @@ def _vt(rng: random.Random, n: int, depth: int | None, length: int, hops: int = 
             names.append(name)
     statements = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops + 1)]
     words = _haystack(rng, "noise", n)
-    needles = [(f, s, True) for f, s in zip(_cluster(depth, len(statements), 0.2), statements, strict=True)]
-    context, offsets = _fill(words, needles)
+    # a statement's answer is the variable it defines: "VAR <name> = ..."
+    needles = [(f, s, len("VAR ")) for f, s in zip(_cluster(depth, len(statements), 0.2), statements, strict=True)]
+    context, offsets, answers = _fill(words, needles)
     question = (f"Question: Find all variables that are assigned the value {value} in the text above. "
                 f"Answer: According to the chain(s) of variable assignment in the text above, {hops + 1} variables "
                 f"are assigned the value {value}, they are:")
-    return _render(VT_TEMPLATE, context, question, offsets, names)
+    return _render(VT_TEMPLATE, context, question, offsets, names, answers)
+
+
+def _followup(rng: random.Random, n: int, depth: int | None, length: int) -> Built:
+    """Two user turns: document A (answered, not scored), then document B with the needle + the question.
+
+    The haystack is one run of essay words cut at a sentence end near FOLLOWUP_SHARE_A; the depth
+    is the needle's place in document B, the part the follow-up prompt brings in.
+    """
+    (key,) = _keys(rng, 1)
+    value = _number(rng)
+    words = _haystack(rng, "essay", n)
+    cut = _snap(words, round(FOLLOWUP_SHARE_A * n)) if n else 0
+    first = FOLLOWUP_FIRST.format(context=" ".join(words[:cut]))
+    text, at = _target(key, value)
+    center = (depth if depth is not None else 50) / 100
+    context, offsets, answers = _fill(words[cut:], [(center, text, at)])
+    built = _render(FOLLOWUP_SECOND, context, _ask([key]), offsets, [value], answers)
+    built.history = [first]
+    return built
 
 
 def _cwe_frequencies(length: int) -> tuple[int, int]:
@@ -259,6 +314,8 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     Task("niah_multivalue", "one key with 4 values, all must be returned", _niah("essay", n_values=4), 96),
     Task("niah_multiquery", "4 keys asked at once, all values must be returned",
          _niah("essay", n_keys=4, n_queries=4), 96),
+    Task("niah_followup", "two requests: document A, then document B with the needle + the question "
+         "(the follow-up prompt path, prompt cache reused)", _followup, 32, history_max_tokens=16),
     Task("vt", "variable tracking: a 4-hop chain of VAR X = VAR Y in filler", _vt, 96),
     Task("cwe", "common-words extraction: the 10 most frequent words of a numbered list", _cwe, 128,
          uses_depth=False),
@@ -266,7 +323,9 @@ TASKS: dict[str, Task] = {t.name: t for t in (
 
 ALIASES = {
     "niah_single": ["niah_single_noise", "niah_single_essay"],
-    "niah": ["niah_single_noise", "niah_single_essay", "niah_multikey", "niah_multivalue", "niah_multiquery"],
+    "niah": ["niah_single_noise", "niah_single_essay", "niah_multikey", "niah_multivalue", "niah_multiquery",
+             "niah_followup"],
+    "followup": ["niah_followup"],
     "variable_tracking": ["vt"],
     "common_words": ["cwe"],
     "all": list(TASKS),
@@ -291,6 +350,35 @@ def parse_tasks(spec: str) -> list[str]:
     return out
 
 
+def parse_depths(text: str) -> list[int]:
+    """`10,50,90` or `spread10` (= 5,15,...,95: the middles of 10 equal slices); `spreadK` likewise."""
+    out: list[int] = []
+    for raw in text.split(","):
+        item = raw.strip().lower()
+        if not item:
+            continue
+        spread = SPREAD.match(item)
+        if spread:
+            k = int(spread[1])
+            if not 1 <= k <= 100:
+                raise KvmemError(f"bad depths {raw.strip()!r}", hint="spreadK with K from 1 to 100, e.g. spread10")
+            values = [round((i + 0.5) * 100 / k) for i in range(k)]
+        else:
+            try:
+                values = [int(item)]
+            except ValueError:
+                raise KvmemError(f"bad depths {text!r}",
+                                 hint="a comma list of percentages (10,50,90) or spread10 (= 5,15,...,95)") from None
+        for v in values:
+            if not 0 <= v <= 100:
+                raise KvmemError("depths are percentages between 0 and 100")
+            if v not in out:
+                out.append(v)
+    if not out:
+        raise KvmemError("no depths given", hint="e.g. --depths 10,50,90 or --depths spread10")
+    return out
+
+
 def sample_rng(seed: int, task: str, length: int, index: int) -> random.Random:
     """The draws of one sample. Depth is left out on purpose: across depths the haystack, keys and
     values stay the same and only the needle moves (and a server's prompt cache can reuse the prefix)."""
@@ -299,18 +387,34 @@ def sample_rng(seed: int, task: str, length: int, index: int) -> random.Random:
 
 
 def fit_sample(task_name: str, length: int, depth: int | None, index: int, seed: int,
-               count_tokens: Callable[[str], int], max_probes: int = 40) -> Sample:
-    """Build the sample whose prompt is the longest not exceeding `length` tokens."""
+               count_tokens: Callable[[str], int], max_probes: int = 40, hint: int | None = None) -> Sample:
+    """Build the sample whose prompt is the longest not exceeding `length` tokens.
+
+    A multi-turn task counts all its user turns plus the answer limit of the earlier ones, so
+    the scored request's prompt stays within `length` whatever the model answered before.
+    `hint` (the haystack size another depth of the same sample fitted to) saves most probes.
+    """
     task = TASKS[task_name]
     if not task.uses_depth:
         depth = None
     cache: dict[int, tuple[Built, int]] = {}
+    reserve = task.history_max_tokens
 
     def probe(n: int) -> int:
         if n not in cache:
             built = task.build(sample_rng(seed, task_name, length, index), n, depth, length)
-            cache[n] = (built, count_tokens(built.prompt))
+            cache[n] = (built, count_tokens(measure_text(built)) + reserve * len(built.history))
         return cache[n][1]
+
+    def done(n: int) -> Sample:
+        built, tokens = cache[n]
+        return Sample(task_name, length, depth, index, seed, built.prompt, built.expected, task.max_tokens,
+                      tokens, n, built.context_span, built.needle_offsets, built.answer_pool,
+                      built.answer_offsets, built.history, task.history_max_tokens)
+
+    # the depths of one sample share the haystack: its size is within a unit or two of the hint
+    if hint is not None and hint > 0 and probe(hint) <= length and probe(hint + 1) > length:
+        return done(hint)
 
     base = probe(0)
     if base > length:
@@ -339,6 +443,4 @@ def fit_sample(task_name: str, length: int, depth: int | None, index: int, seed:
             guess = lo + int((length - f_lo) * (hi - lo) / max(f_hi - f_lo, 1))
             guess = min(max(guess, lo + 1), hi - 1)
         last_side = side
-    built, tokens = cache[lo]
-    return Sample(task_name, length, depth, index, seed, built.prompt, built.expected, task.max_tokens,
-                  tokens, lo, built.context_span, built.needle_offsets, built.answer_pool)
+    return done(lo)
