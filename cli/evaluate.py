@@ -16,10 +16,10 @@ from kvmem_llama.cli.console import console
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.evaluation import corpus
 from kvmem_llama.evaluation.client import EvalClient
-from kvmem_llama.evaluation.report import Summary, length_label, render
+from kvmem_llama.evaluation.report import Summary, length_label, render, to_json
 from kvmem_llama.evaluation.runner import RESULTS, Evaluation, Item, Plan, load_records
 from kvmem_llama.evaluation.servers import parse_budgets, parse_length
-from kvmem_llama.evaluation.tasks import ALIASES, TASKS, parse_tasks
+from kvmem_llama.evaluation.tasks import ALIASES, TASKS, parse_depths, parse_tasks
 
 DEFAULT_TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe"
 
@@ -55,35 +55,36 @@ class ProgressReporter:
         self.progress.update(self.task_id, advance=1, score=f"mean {avg:.0f}")
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KvmemError(f"bad {what} {text!r}", hint="a comma list of integers, e.g. 10,50,90") from None
-    if not values:
-        raise KvmemError(f"no {what} given")
-    return values
-
-
 def _summary_table(summary: Summary) -> Table:
-    table = Table(title="kvmem eval: score (percent of expected strings found)", show_lines=False)
+    table = Table(title="kvmem eval: score, mean [95% Wilson] (samples)"
+                  + ("; hit = answer blocks resident after the turn selection" if summary.has_hits else ""),
+                  show_lines=False)
     table.add_column("configuration")
     table.add_column("task")
     for n in summary.lengths:
         table.add_column(length_label(n), justify="right")
+        if summary.has_hits:
+            table.add_column(f"{length_label(n)} hit", justify="right")
     for i, c in enumerate(summary.configs):
         if i:
             table.add_section()
         for t in summary.tasks:
             row = []
             for n in summary.lengths:
-                got = summary.cell.get((c, t, n))
-                row.append(f"{got[0]:.1f}" if got else "-")
+                got = summary.estimates.get((c, t, n))
+                row.append(got.text() if got else "-")
+                if summary.has_hits:
+                    hit = summary.hits.get((c, t, n))
+                    row.append(hit.text() if hit else "-")
             table.add_row(c, t, *row)
-        avg = [f"{summary.overall[(c, n)]:.1f}" if (c, n) in summary.overall else "-" for n in summary.lengths]
+        avg = []
+        for n in summary.lengths:
+            avg.append(f"[bold]{summary.overall[(c, n)]:.1f}[/]" if (c, n) in summary.overall else "-")
+            if summary.has_hits:
+                avg.append("")
         lat = summary.latency.get(c)
         table.add_row(f"[bold]{c}[/]", f"[bold]average[/] [dim]({lat:.1f} s/sample)[/]" if lat else "[bold]average[/]",
-                      *[f"[bold]{a}[/]" for a in avg])
+                      *avg)
     return table
 
 
@@ -114,18 +115,27 @@ def _write_meta(out: Path, entry: dict) -> None:
 @click.option("--run", "run_model", metavar="MODEL",
               help="Start servers itself for MODEL (a GGUF path or a shipped name, e.g. qwen2.5-coder:0.5b).")
 @click.option("--budgets", default="0", show_default=True,
-              help="With --run: configurations to compare. 0 = tiering off; 1/8 = an eighth of the length; "
-                   "2048 = tokens; 'recency:1/8' picks the method per entry.")
-@click.option("--method", type=click.Choice(["retrieval", "recency"]), default="retrieval", show_default=True,
-              help="With --run: how a budgeted server picks KV blocks (for entries without a method: prefix).")
-@click.option("--server-arg", "server_args", multiple=True, metavar="ARGS",
-              help="With --run: extra llama-server flags (repeatable, shell-quoted), e.g. --server-arg='-fa on'.")
+              help="With --run: configurations to compare, [METHOD:]BUDGET[:key=value...]. 0 = tiering off; "
+                   "1/8 = an eighth of the length; 2048 = tokens; 'recency:1/8' picks the method; each key=value "
+                   "is passed as --kvmem-<key> <value> (retrieval:1/8:query-tokens=128).")
+@click.option("--method", default="retrieval", show_default=True,
+              help="With --run: --kvmem-method for entries without a METHOD: prefix (any name the engine has).")
+@click.option("--server-arg", "--server-args", "server_args", multiple=True, metavar="ARGS",
+              help="With --run: extra llama-server flags for every server (shell-quoted, repeatable), "
+                   "e.g. --server-args '-ngl 99 -t 4'.")
+@click.option("--jobs", default=1, show_default=True, type=click.IntRange(1),
+              help="With --run: servers (configurations) to run at once, each with its own port and log.")
+@click.option("--server-log", type=click.Path(dir_okay=False, path_type=Path),
+              help="With --endpoint: the server's log file, for the answer-block hit rate (needs -np 1 and "
+                   "--kvmem-trace on the server).")
 @click.option("--tasks", "tasks_spec", default=DEFAULT_TASKS, show_default=True,
               help="Comma list of tasks or groups (see `kvmem eval tasks`).")
 @click.option("--lengths", default="4k,8k", show_default=True, help="Context lengths in tokens (4k = 4096).")
 @click.option("--depths", default="10,50,90", show_default=True,
-              help="Needle depths in percent of the context (ignored by cwe).")
-@click.option("--samples", default=2, show_default=True, type=click.IntRange(1), help="Samples per cell.")
+              help="Needle depths in percent of the context, or spread10 (= 5,15,...,95).")
+@click.option("--samples", default=2, show_default=True, type=click.IntRange(1),
+              help="Samples per depth: a cell gets samples x depths (3 x spread10 = 30); tasks without a depth "
+                   "get as many.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed: same seed, same prompts.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("kvmem-eval"),
               show_default=True, help="Output folder (results.jsonl, summary.md, PNGs). Reruns resume.")
@@ -134,9 +144,9 @@ def _write_meta(out: Path, entry: dict) -> None:
 @click.option("--api-key", envvar="OPENAI_API_KEY", help="Bearer token for --endpoint (env OPENAI_API_KEY).")
 @click.pass_context
 def eval_group(ctx: click.Context, endpoint: str | None, model_id: str | None, label: str | None,
-               run_model: str | None, budgets: str, method: str, server_args: tuple[str, ...], tasks_spec: str,
-               lengths: str, depths: str, samples: int, seed: int, out_dir: Path, timeout: float,
-               api_key: str | None) -> None:
+               run_model: str | None, budgets: str, method: str, server_args: tuple[str, ...], jobs: int,
+               server_log: Path | None, tasks_spec: str, lengths: str, depths: str, samples: int, seed: int,
+               out_dir: Path, timeout: float, api_key: str | None) -> None:
     """Measure long-context recall: RULER-style tasks, generated offline, sized by the server's tokenizer.
 
     \b
@@ -144,6 +154,8 @@ def eval_group(ctx: click.Context, endpoint: str | None, model_id: str | None, l
       kvmem eval --endpoint http://127.0.0.1:8080 --lengths 4k,8k --samples 3
     Starting servers itself and comparing KV budgets (0 = tiering off):
       kvmem eval --run qwen2.5-coder:0.5b --budgets 0,1/8,1/16,recency:1/8 --lengths 8k,16k
+    A method ablation at 1/8, 30 samples per cell, 3 servers at once:
+      kvmem eval --run MODEL --budgets retrieval:1/8,recency:1/8,0 --depths spread10 --samples 3 --jobs 3
     Redraw the table and plots of a results folder:
       kvmem eval report kvmem-eval
 
@@ -154,20 +166,20 @@ def eval_group(ctx: click.Context, endpoint: str | None, model_id: str | None, l
         return
     if bool(endpoint) == bool(run_model):
         raise click.UsageError("give either --endpoint URL (a running server) or --run MODEL (start servers)")
-    if endpoint and (budgets != "0" or server_args):
-        raise click.UsageError("--budgets and --server-arg need --run (with --endpoint the server is yours: "
-                               "name its configuration with --label)")
+    if endpoint and (budgets != "0" or server_args or jobs != 1):
+        raise click.UsageError("--budgets, --server-args and --jobs need --run (with --endpoint the server is "
+                               "yours: name its configuration with --label)")
+    if run_model and server_log:
+        raise click.UsageError("--server-log is for --endpoint; with --run the harness reads its servers' logs")
     plan = Plan(parse_tasks(tasks_spec), [parse_length(x) for x in lengths.split(",") if x.strip()],
-                _ints(depths, "depths"), samples, seed)
-    if any(not 0 <= d <= 100 for d in plan.depths):
-        raise KvmemError("depths are percentages between 0 and 100")
+                parse_depths(depths), samples, seed)
     configs = parse_budgets(budgets, method) if run_model else []
     extra = [a for arg in server_args for a in shlex.split(arg)]
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_meta(out_dir, {"argv": ["kvmem", *sys.argv[1:]],
                           "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                           "tasks": plan.tasks, "lengths": plan.lengths, "depths": plan.depths, "samples": samples,
-                          "seed": seed, "corpus": corpus.corpus_info()})
+                          "seed": seed, "jobs": jobs, "corpus": corpus.corpus_info()})
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[score]}"), TimeElapsedColumn(), console=console, transient=False)
     reporter = ProgressReporter(progress)
@@ -176,11 +188,11 @@ def eval_group(ctx: click.Context, endpoint: str | None, model_id: str | None, l
         with progress:
             if endpoint:
                 with EvalClient(endpoint, model_id, timeout=timeout, api_key=api_key) as client:
-                    for _ in evaluation.run_endpoint(client, label or "endpoint"):
+                    for _ in evaluation.run_endpoint(client, label or "endpoint", server_log=server_log):
                         pass
             else:
                 assert run_model is not None
-                for _ in evaluation.run_configs(run_model, configs, out_dir / "logs", extra, timeout):
+                for _ in evaluation.run_configs(run_model, configs, out_dir / "logs", extra, timeout, jobs=jobs):
                     pass
     except KeyboardInterrupt:
         kept = len(load_records(out_dir))
@@ -194,10 +206,15 @@ def eval_group(ctx: click.Context, endpoint: str | None, model_id: str | None, l
 
 @eval_group.command("report")
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-def report_cmd(out_dir: Path) -> None:
-    """Re-render the summary table, summary.md and PNG plots from OUT_DIR/results.jsonl."""
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (the numbers of summary.json).")
+def report_cmd(out_dir: Path, as_json: bool) -> None:
+    """Re-render the summary table, summary.md, summary.json and PNG plots from OUT_DIR/results.jsonl."""
     if not (out_dir / RESULTS).exists():
         raise KvmemError(f"{out_dir / RESULTS} does not exist", hint="pass the --out folder of a `kvmem eval` run")
+    if as_json:
+        summary, _ = render(out_dir)
+        click.echo(json.dumps(to_json(summary), indent=2))
+        return
     _show_report(out_dir)
 
 

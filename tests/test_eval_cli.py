@@ -113,3 +113,69 @@ def test_eval_run_with_a_budget(cpu_engine, tmp_path: Path) -> None:
     (record,) = [json.loads(line) for line in (out / "results.jsonl").read_text("utf-8").splitlines()]
     assert record["config"] == "640 recency" and record["budget_tokens"] == 640 and record["method"] == "recency"
     assert record["server_prompt_tokens"] > 640  # the prompt really is longer than the working set
+
+
+def test_eval_run_reports_a_method_the_engine_refuses(cpu_engine, tmp_path: Path) -> None:
+    """Any method name passes the harness; the real engine's refusal of an unknown one is what the user sees."""
+    help_text = subprocess.run([str(cpu_engine.server), "--help"], capture_output=True, text=True).stdout
+    if "--kvmem-method" not in help_text:
+        pytest.skip("this engine has no --kvmem-method")
+    proc = kvmem("eval", "--run", "smollm2", "--budgets", "no_such_method:640", "--tasks", "niah_single_noise",
+                 "--lengths", "1000", "--depths", "50", "--samples", "1", "--out", str(tmp_path / "bad"), timeout=120)
+    assert proc.returncode != 0
+    assert "the engine refused --kvmem-method" in proc.stderr and "no_such_method" in proc.stderr, proc.stderr
+    assert "hint:" in proc.stderr
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text("utf-8").splitlines()]
+
+
+def test_eval_followup_two_requests_reuse_the_prompt_cache(tmp_path: Path) -> None:
+    """niah_followup on SmolLM2 (budget off): document A, then document B + the question, scored."""
+    out = tmp_path / "followup"
+    proc = kvmem("eval", "--run", "smollm2", "--budgets", "0", "--tasks", "followup", "--lengths", "1500",
+                 "--depths", "50", "--samples", "1", "--out", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (r,) = _records(out)
+    assert r["task"] == "niah_followup" and r["depth"] == 50 and r["config"] == "off"
+    assert r["score"] in (0.0, 100.0) and r["expected"][0].isdigit()
+    (first,) = r["earlier_answers"]
+    assert isinstance(first, str) and r["earlier_prompt_tokens"][0] < r["server_prompt_tokens"]
+    # the second request reused the first one's prompt (document A) from the server's cache
+    assert r["cached_tokens"] >= r["earlier_prompt_tokens"][0] - 8, r
+    assert r["server_prompt_tokens"] <= 1500 + 64  # + the chat template
+    # the answer's token position is inside document B, after everything of the first request
+    (pos,) = r["answer_positions"]
+    assert r["earlier_prompt_tokens"][0] < pos < r["server_prompt_tokens"]
+    assert r["turn_resident_hit"] is None and r["selects"] == 0  # tiering off: nothing to select
+    assert "niah_followup" in (out / "summary.md").read_text("utf-8")
+
+
+def test_eval_jobs_run_configurations_at_once_with_the_same_results(cpu_engine, tmp_path: Path) -> None:
+    """--jobs 2 starts both servers at once; every sample gets the answer it gets with --jobs 1."""
+    help_text = subprocess.run([str(cpu_engine.server), "--help"], capture_output=True, text=True).stdout
+    if "--kvmem-budget" not in help_text:
+        pytest.skip("this engine has no KV tiering flags")
+    common = ["--run", "smollm2", "--budgets", "0,recency:640", "--tasks", "niah_single_noise", "--lengths", "900",
+              "--depths", "10,90", "--samples", "1", "--server-args", "-t 1"]
+    results = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}"
+        proc = kvmem("eval", *common, "--jobs", str(jobs), "--out", str(out), timeout=900)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        records = _records(out)
+        assert len(records) == 4
+        results[jobs] = {(r["config"], r["task"], r["length"], r["depth"], r["sample"]): r for r in records}
+        logs = sorted(p.name for p in (out / "logs").iterdir())
+        assert logs == ["server-640-recency-900.log", "server-off-900.log"], logs
+    assert results[1].keys() == results[2].keys()
+    for key, one in results[1].items():
+        two = results[2][key]
+        assert (one["score"], one["got"], one["answer_positions"]) == (two["score"], two["got"],
+                                                                       two["answer_positions"]), key
+    tiered = [r for r in results[2].values() if r["config"] == "640 recency"]
+    assert all(r["block_tokens"] == 128 and r["selects"] >= 1 and r["staged_in"] is not None for r in tiered)
+    assert all(r["answer_blocks"] == [p // 128 for p in r["answer_positions"]] for r in tiered)
+    off = [r for r in results[2].values() if r["config"] == "off"]
+    assert all(r["block_tokens"] is None and r["selects"] == 0 and r["answer_blocks"] is None for r in off)

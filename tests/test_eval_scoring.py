@@ -10,11 +10,20 @@ from pathlib import Path
 import pytest
 
 from kvmem_llama.errors import KvmemError
-from kvmem_llama.evaluation.report import markdown, render, summarize
+from kvmem_llama.evaluation.report import markdown, render, summarize, to_json
 from kvmem_llama.evaluation.runner import Item, Plan, ResultsLog, load_records
 from kvmem_llama.evaluation.scoring import score
-from kvmem_llama.evaluation.servers import Config, parse_budgets, parse_length, rejected_flag
-from kvmem_llama.evaluation.tasks import parse_tasks
+from kvmem_llama.evaluation.servers import (
+    Config,
+    engine_refusal,
+    eval_args,
+    parse_budgets,
+    parse_length,
+    refused_value,
+    rejected_flag,
+)
+from kvmem_llama.evaluation.stats import estimate, proportion, wilson
+from kvmem_llama.evaluation.tasks import parse_depths, parse_tasks
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -70,15 +79,93 @@ def test_parse_lengths_and_budgets() -> None:
     assert configs[3].server_args(16384) == ["--kvmem-budget", "2048", "--kvmem-method", "recency"]
     assert configs[4].budget_tokens(99999) == 2048 and not configs[4].per_length
     assert Config(Fraction(1, 8)).per_length
-    for bad in ("2/1", "sideways:1/8", "1/0", ""):
+    for bad in ("2/1", "Side-ways:1/8", "1/0", "", "1/8:query-tokens", "1/8:=3", "0:refresh=64",
+                "recency:1/8:budget=9", "2x:1/8"):
         with pytest.raises(KvmemError):
             parse_budgets(bad)
+
+
+def test_budgets_take_any_method_name_and_engine_options() -> None:
+    # method names are the engine's to accept; the harness checks only their spelling
+    configs = parse_budgets("votes:1/8,quest:1/8,retrieval:1/8:prefill=retrieval:query-tokens=128,1/8:refresh=0",
+                            "meankey")
+    assert [c.label for c in configs] == ["1/8 votes", "1/8 quest",
+                                          "1/8 retrieval prefill=retrieval query-tokens=128",
+                                          "1/8 meankey refresh=0"]
+    assert configs[2].server_args(8192) == ["--kvmem-budget", "1024", "--kvmem-method", "retrieval",
+                                            "--kvmem-prefill", "retrieval", "--kvmem-query-tokens", "128"]
+    assert configs[2].per_length and configs[2].options == (("prefill", "retrieval"), ("query-tokens", "128"))
+    # the same budget with and without options are two configurations
+    assert len(parse_budgets("1/8,1/8:query-tokens=64")) == 2
+    with pytest.raises(KvmemError):
+        parse_budgets("1/8", "Bad-Method")
+
+
+def test_eval_servers_get_one_slot_and_the_trace() -> None:
+    tiered, off = parse_budgets("recency:1/8,0")
+    assert eval_args(tiered, 8192) == ["--kvmem-budget", "1024", "--kvmem-method", "recency", "--kvmem-trace",
+                                       "-np", "1"]
+    assert eval_args(off, 8192, ["-t", "4"]) == ["-np", "1", "-t", "4"]  # tiering off: no kvmem flag at all
+    assert eval_args(tiered, 8192, ["--parallel", "2", "--kvmem-trace"])[-3:] == ["--parallel", "2", "--kvmem-trace"]
+    assert eval_args(tiered, 8192, ["--parallel", "2"]).count("-np") == 0
 
 
 def test_rejected_flag_from_llama_server_log() -> None:
     assert rejected_flag("build: 1 (x)\nerror: invalid argument: --kvmem-budget\n") == "--kvmem-budget"
     assert rejected_flag("error: invalid argument: --foo") is None
     assert rejected_flag("all good") is None
+
+
+def test_refused_value_from_llama_server_log() -> None:
+    # llama.cpp's arg parser, when a flag's handler throws (common/arg.cpp)
+    log = ('error while handling argument "--kvmem-method": --kvmem-method must be one of retrieval, recency, '
+           "quest (got 'votes')\n\nusage:\n--kvmem-method {retrieval,recency,quest}\n")
+    assert refused_value(log) == ("--kvmem-method", "--kvmem-method must be one of retrieval, recency, quest "
+                                                    "(got 'votes')")
+    err = engine_refusal(log)
+    assert err is not None and "refused --kvmem-method" in str(err) and "got 'votes'" in str(err)
+    assert "does not know --kvmem-budget" in str(engine_refusal("error: invalid argument: --kvmem-budget"))
+    assert engine_refusal('error while handling argument "-c": bad') is None
+
+
+@pytest.mark.parametrize(("k", "n", "lo", "hi"), [
+    # Newcombe (1998), Stat Med 17:857, table I, method 3 (Wilson score without continuity correction)
+    (81, 263, 0.2553, 0.3662),
+    (15, 148, 0.0624, 0.1605),
+    (0, 20, 0.0, 0.1611),
+    (1, 29, 0.0061, 0.1718),
+    # textbook values: 5/10, and the all-success cell of 30 samples
+    (5, 10, 0.2366, 0.7634),
+    (30, 30, 0.8865, 1.0),
+])
+def test_wilson_known_values(k: int, n: int, lo: float, hi: float) -> None:
+    got = wilson(k / n, n)
+    assert got == (pytest.approx(lo, abs=1e-4), pytest.approx(hi, abs=1e-4))
+
+
+def test_estimates_treat_scores_as_success_fractions() -> None:
+    e = estimate([100.0] * 5 + [0.0] * 5)
+    assert (e.mean, e.n) == (50.0, 10)
+    assert (e.lo, e.hi) == (pytest.approx(23.66, abs=0.01), pytest.approx(76.34, abs=0.01))
+    assert e.text() == "50.0 [23.7, 76.3] (10)"
+    # partial credit: four samples at 50 are a mean fraction of 0.5 over n = 4
+    assert estimate([50.0] * 4).lo == pytest.approx(100 * wilson(0.5, 4)[0])
+    assert estimate([]) is None
+    hits = proportion([True, False, None, True])  # unknown (no trace line) is left out
+    assert hits.n == 3 and hits.mean == pytest.approx(200 / 3)
+    assert proportion([None, None]) is None
+    with pytest.raises(ValueError):
+        wilson(0.5, 0)
+
+
+def test_depths_spread10() -> None:
+    assert parse_depths("spread10") == [5, 15, 25, 35, 45, 55, 65, 75, 85, 95]
+    assert parse_depths("10,50,90") == [10, 50, 90]
+    assert parse_depths("spread4") == [12, 38, 62, 88]
+    assert parse_depths("50,spread2") == [50, 25, 75]
+    for bad in ("", "deep", "101", "spread0", "-5"):
+        with pytest.raises(KvmemError):
+            parse_depths(bad)
 
 
 def test_parse_tasks_groups() -> None:
@@ -91,8 +178,19 @@ def test_parse_tasks_groups() -> None:
 def test_plan_items_skip_depth_for_cwe() -> None:
     plan = Plan(["vt", "cwe"], [1024, 2048], [10, 90], 2, 0)
     items = plan.items()
-    assert len(items) == 2 * (2 * 2 + 1 * 2)
-    assert Item("cwe", 1024, None, 1) in items and Item("vt", 2048, 90, 0) in items
+    # a cell gets samples x depths samples: cwe (no depth) as many, with distinct indices
+    assert len(items) == 2 * (2 * 2 + 2 * 2)
+    assert Item("cwe", 1024, None, 3) in items and Item("vt", 2048, 90, 0) in items
+
+
+def test_plan_spread10_gives_30_samples_per_cell() -> None:
+    plan = Plan(parse_tasks("niah_single_essay,followup,cwe"), [8192], parse_depths("spread10"), 3, 0)
+    cells: dict[str, int] = {}
+    for item in plan.items():
+        cells[item.task] = cells.get(item.task, 0) + 1
+    assert cells == {"niah_single_essay": 30, "niah_followup": 30, "cwe": 30}
+    depths = sorted({i.depth for i in plan.items() if i.task == "niah_followup"})
+    assert depths == [5, 15, 25, 35, 45, 55, 65, 75, 85, 95]
 
 
 def _record(config: str, task: str, length: int, depth: int | None, sample: int, value: float) -> dict:
@@ -128,18 +226,24 @@ def test_summary_weighs_tasks_equally_and_renders(tmp_path: Path) -> None:
     assert s.configs == ["off", "1/8 retrieval"]
     assert s.lengths == [1024, 2048]
     assert s.cell[("off", "niah_single_noise", 1024)] == (100.0, 3)
+    assert s.estimates[("off", "niah_single_noise", 1024)].lo == pytest.approx(100 * wilson(1.0, 3)[0])
+    assert not s.has_hits  # no sample carries a trace
     assert s.overall[("off", 1024)] == pytest.approx((100 + 0 + 40) / 3)
     assert s.overall[("off", 2048)] == 50.0
     assert s.depth[("off", 50, 1024)] == 50.0  # niah 100 and vt 0 at depth 50; cwe has no depth
     assert ("off", 10, 2048) not in s.depth
     md = markdown(s)
-    assert "| off | niah_single_noise | 100.0 (3) | 50.0 (1) |" in md
+    assert "| off | niah_single_noise | 100.0 [43.9, 100.0] (3) | 50.0 [5.5, 94.5] (1) |" in md
     assert "| 1/8 retrieval | vt | - | - |" in md  # tasks a configuration never ran are dashes
     with open(tmp_path / "results.jsonl", "w", encoding="utf-8") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in records)
     _, files = render(tmp_path)
     names = sorted(f.name for f in files)
-    assert names == ["accuracy_vs_length.png", "depth_heatmap.png", "summary.md"]
+    assert names == ["accuracy_vs_length.png", "depth_heatmap.png", "summary.json", "summary.md"]
+    data = json.loads((tmp_path / "summary.json").read_text("utf-8"))
+    cell = next(c for c in data["cells"] if (c["config"], c["task"], c["length"]) == ("off", "vt", 1024))
+    assert cell["score"] == {"mean": 0.0, "lo": 0.0, "hi": pytest.approx(79.35, abs=0.01), "n": 1}
+    assert cell["turn_resident_hit"] is None
     for f in files:
         if f.suffix == ".png":
             w, h = png_size(f)
@@ -149,3 +253,23 @@ def test_summary_weighs_tasks_equally_and_renders(tmp_path: Path) -> None:
 def test_summarize_empty_is_a_user_error() -> None:
     with pytest.raises(KvmemError):
         summarize([])
+
+
+def test_summary_reports_the_hit_rate_next_to_the_score() -> None:
+    records = []
+    for i in range(10):  # 10 samples: 6 found; the answer block was resident in 7 of the 9 with a trace
+        r = _record("1/8 votes", "niah_single_essay", 8192, 50, i, 100.0 if i < 6 else 0.0)
+        r["turn_resident_hit"] = None if i == 9 else i < 7
+        records.append(r)
+    records.append(_record("off", "niah_single_essay", 8192, 50, 0, 100.0))  # off: no trace, no hit
+    s = summarize(records)
+    hit = s.hits[("1/8 votes", "niah_single_essay", 8192)]
+    assert (hit.n, hit.mean) == (9, pytest.approx(700 / 9))
+    assert ("off", "niah_single_essay", 8192) not in s.hits
+    md = markdown(s)
+    assert "| configuration | task | 8K | 8K hit |" in md
+    assert f"| 1/8 votes | niah_single_essay | 60.0 [31.3, 83.2] (10) | {hit.text()} |" in md
+    assert "| off | niah_single_essay | 100.0 [20.7, 100.0] (1) | - |" in md
+    data = to_json(s)
+    cell = next(c for c in data["cells"] if c["config"] == "1/8 votes")
+    assert cell["turn_resident_hit"]["n"] == 9 and cell["score"]["n"] == 10

@@ -1,22 +1,28 @@
 """Summaries and pictures from results.jsonl: a table (task x length per configuration) and PNGs.
 
-Averages are per task first, then across tasks with equal weight, so a task with more
-depths does not outweigh the others.
+Each cell is the mean score with its 95% Wilson interval and the sample count; next to it, where
+the engine traced its selections, the share of samples whose answer blocks were resident after
+the turn's selection (with its own interval). Averages are per task first, then across tasks
+with equal weight, so a task with more depths does not outweigh the others (no interval there:
+the tasks' samples are not one population). summary.json holds the same numbers.
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.evaluation.runner import load_records
 from kvmem_llama.evaluation.scoring import mean
+from kvmem_llama.evaluation.stats import Estimate, estimate, proportion
 
 ACCURACY_PNG = "accuracy_vs_length.png"
 HEATMAP_PNG = "depth_heatmap.png"
 SUMMARY_MD = "summary.md"
+SUMMARY_JSON = "summary.json"
 
 
 @dataclass
@@ -29,6 +35,14 @@ class Summary:
     depth: dict[tuple[str, int, int], float]  # (config, depth, length) -> mean over depth-aware tasks
     depths: list[int]
     latency: dict[str, float]  # config -> mean latency (s)
+    # (config, task, length) -> score with its 95% Wilson interval
+    estimates: dict[tuple[str, str, int], Estimate] = field(default_factory=dict)
+    # (config, task, length) -> share of samples with every answer block resident after the turn selection
+    hits: dict[tuple[str, str, int], Estimate] = field(default_factory=dict)
+
+    @property
+    def has_hits(self) -> bool:
+        return bool(self.hits)
 
 
 def _ordered(values) -> list:
@@ -45,8 +59,10 @@ def summarize(records: list[dict]) -> Summary:
     scores: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     by_depth: dict[tuple[str, str, int, int], list[float]] = defaultdict(list)
     lat: dict[str, list[float]] = defaultdict(list)
+    hit_flags: dict[tuple[str, str, int], list[bool | None]] = defaultdict(list)
     for r in records:
         scores[(r["config"], r["task"], int(r["length"]))].append(float(r["score"]))
+        hit_flags[(r["config"], r["task"], int(r["length"]))].append(r.get("turn_resident_hit"))
         if r.get("depth") is not None:
             by_depth[(r["config"], r["task"], int(r["depth"]), int(r["length"]))].append(float(r["score"]))
         if r.get("latency_s") is not None:
@@ -66,7 +82,26 @@ def summarize(records: list[dict]) -> Summary:
                 if m is not None:
                     depth[(c, d, n)] = m
     latency = {c: sum(v) / len(v) for c, v in lat.items() if v}
-    return Summary(configs, tasks, lengths, cell, overall, depth, depths, latency)
+    estimates = {k: e for k, v in scores.items() if (e := estimate(v)) is not None}
+    hits = {k: e for k, v in hit_flags.items() if (e := proportion(v)) is not None}
+    return Summary(configs, tasks, lengths, cell, overall, depth, depths, latency, estimates, hits)
+
+
+def to_json(summary: Summary) -> dict:
+    """The summary's numbers, machine-readable (what summary.json holds)."""
+    cells = []
+    for (c, t, n), e in summary.estimates.items():
+        hit = summary.hits.get((c, t, n))
+        cells.append({"config": c, "task": t, "length": n, "score": e.as_dict(),
+                      "turn_resident_hit": hit.as_dict() if hit else None})
+    return {
+        "interval": "95% Wilson score interval on the mean, each sample's score/100 counted as its success "
+                    "fraction, n = samples; the hit rate counts samples with a known turn_resident_hit",
+        "configs": summary.configs, "tasks": summary.tasks, "lengths": summary.lengths,
+        "cells": cells,
+        "average": [{"config": c, "length": n, "mean": round(v, 4)} for (c, n), v in summary.overall.items()],
+        "latency_s": {c: round(v, 3) for c, v in summary.latency.items()},
+    }
 
 
 def length_label(n: int) -> str:
@@ -74,21 +109,37 @@ def length_label(n: int) -> str:
 
 
 def markdown(summary: Summary) -> str:
-    """One table: rows = configuration x task (+ an average row), columns = lengths."""
-    head = "| configuration | task | " + " | ".join(length_label(n) for n in summary.lengths) + " |"
-    lines = [head, "|" + "---|" * (2 + len(summary.lengths))]
+    """One table: rows = configuration x task (+ an average row), columns = lengths (+ hit rate per length)."""
+    heads = []
+    for n in summary.lengths:
+        heads.append(length_label(n))
+        if summary.has_hits:
+            heads.append(f"{length_label(n)} hit")
+    lines = ["| configuration | task | " + " | ".join(heads) + " |", "|" + "---|" * (2 + len(heads))]
     for c in summary.configs:
         for t in summary.tasks:
             row = []
             for n in summary.lengths:
-                got = summary.cell.get((c, t, n))
-                row.append(f"{got[0]:.1f} ({got[1]})" if got else "-")
+                got = summary.estimates.get((c, t, n))
+                row.append(got.text() if got else "-")
+                if summary.has_hits:
+                    hit = summary.hits.get((c, t, n))
+                    row.append(hit.text() if hit else "-")
             lines.append(f"| {c} | {t} | " + " | ".join(row) + " |")
-        avg = [f"**{summary.overall[(c, n)]:.1f}**" if (c, n) in summary.overall else "-" for n in summary.lengths]
+        avg = []
+        for n in summary.lengths:
+            avg.append(f"**{summary.overall[(c, n)]:.1f}**" if (c, n) in summary.overall else "-")
+            if summary.has_hits:
+                avg.append("")
         lines.append(f"| {c} | **average** | " + " | ".join(avg) + " |")
     lines.append("")
-    lines.append("Scores are the percent of expected strings found in the answer (case-insensitive), "
-                 "averaged over samples (count in parentheses) and depths; the average row weighs tasks equally.")
+    lines.append("Scores are the percent of expected strings found in the answer (case-insensitive), averaged "
+                 "over samples and depths: mean [95% Wilson interval] (samples); the interval counts each "
+                 "sample's score/100 as its success fraction. The average row weighs tasks equally.")
+    if summary.has_hits:
+        lines.append("")
+        lines.append("*hit*: percent of samples whose answer blocks were all resident after the turn's selection "
+                     "(engine trace), with its 95% Wilson interval (samples with a trace line).")
     return "\n".join(lines) + "\n"
 
 
@@ -162,5 +213,7 @@ def render(out_dir: Path) -> tuple[Summary, list[Path]]:
     summary = summarize(load_records(out_dir))
     md = out_dir / SUMMARY_MD
     md.write_text(markdown(summary), encoding="utf-8")
-    files = [md, plot_accuracy(summary, out_dir / ACCURACY_PNG), plot_heatmap(summary, out_dir / HEATMAP_PNG)]
+    js = out_dir / SUMMARY_JSON
+    js.write_text(json.dumps(to_json(summary), indent=2) + "\n", encoding="utf-8")
+    files = [md, js, plot_accuracy(summary, out_dir / ACCURACY_PNG), plot_heatmap(summary, out_dir / HEATMAP_PNG)]
     return summary, files

@@ -3,21 +3,34 @@
 Results go to `OUT/results.jsonl`, one line per sample, flushed as soon as it is scored, so
 an interrupted run loses at most the sample in flight; running the same command again skips
 every (configuration, task, length, depth, sample, seed) already in the file.
+
+With the server's log at hand (`--run`, or `--server-log` for an endpoint) each sample also
+records where its answer sits in the KV cache (token positions, blocks) and whether the
+tiering engine had those blocks resident after the turn's selection (`--kvmem-trace` lines).
+With `jobs` > 1 several configurations (servers) run at once, one thread each; a lock keeps
+every results line whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import hashlib
 import json
 import os
-from collections.abc import Iterator
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from kvmem_llama import kvmem_log
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.evaluation import corpus
-from kvmem_llama.evaluation.client import EvalClient
+from kvmem_llama.evaluation.client import Completion, EvalClient
 from kvmem_llama.evaluation.scoring import score
 from kvmem_llama.evaluation.servers import Config, serve
 from kvmem_llama.evaluation.tasks import TASKS, Sample, fit_sample
@@ -47,9 +60,12 @@ class Plan:
             for task in self.tasks:
                 # deepest first: the depths of one sample share the haystack up to the needle, so a
                 # server's prompt cache reuses the longest prefix in this order
-                depths: list[int | None] = sorted(self.depths, reverse=True) if TASKS[task].uses_depth else [None]
-                for i in range(self.samples):
-                    out.extend(Item(task, length, depth, i) for depth in depths)
+                if TASKS[task].uses_depth:
+                    depths: list[int | None] = sorted(self.depths, reverse=True)
+                    for i in range(self.samples):
+                        out.extend(Item(task, length, depth, i) for depth in depths)
+                else:  # as many samples per cell as a depth task gets: samples x depths
+                    out.extend(Item(task, length, None, i) for i in range(self.samples * len(self.depths)))
         return out
 
     def max_output(self) -> int:
@@ -77,9 +93,10 @@ def load_records(out_dir: Path) -> list[dict]:
 
 
 class ResultsLog:
-    """Append-only JSONL writer that knows what is already done."""
+    """Append-only JSONL writer that knows what is already done; safe to share between threads."""
 
     def __init__(self, out_dir: Path):
+        self._lock = threading.Lock()
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / RESULTS
@@ -99,12 +116,78 @@ class ResultsLog:
         return record_key(config, item.task, item.length, item.depth, item.index, seed) in self.done
 
     def append(self, record: dict) -> None:
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        self.done.add(record_key(record["config"], record["task"], record["length"], record.get("depth"),
-                                 record["sample"], record["seed"]))
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        with self._lock:  # one line per write, never interleaved with another thread's
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(line)
+                fh.flush()
+                os.fsync(fh.fileno())
+            self.done.add(record_key(record["config"], record["task"], record["length"], record.get("depth"),
+                                     record["sample"], record["seed"]))
+
+
+# llama-server's line after a request's last token: everything that request logged is in by then
+_REQUEST_DONE = re.compile(rb"stop processing|all slots are idle")
+
+
+class ServerLog:
+    """The log file one server writes; cuts out the bytes that one request appended."""
+
+    def __init__(self, path: Path, start: int = 0):
+        self.path = Path(path)
+        self.start = start
+        self._block_tokens: int | None = None
+
+    def size(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
+
+    def read(self, start: int) -> str:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(start)
+                return fh.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def segment(self, start: int, settle: float = 1.0) -> str:
+        """What the server logged since `start`, once its end-of-request line is in (or `settle` s passed).
+
+        llama.cpp logs from a worker thread, so the last lines can land just after the answer.
+        """
+        deadline = time.monotonic() + settle
+        while True:
+            text = self.read(start)
+            if _REQUEST_DONE.search(text.encode("utf-8", errors="replace")) or time.monotonic() > deadline:
+                return text
+            time.sleep(0.02)
+
+    def block_tokens(self) -> int | None:
+        """Tokens per KV block from the engine's ARMED line (None: tiering is not armed)."""
+        if self._block_tokens is None:
+            armed = [e for line in self.read(self.start).splitlines() if (e := kvmem_log.parse_armed(line))]
+            if armed:
+                self._block_tokens = int(armed[-1]["block_tokens"])
+        return self._block_tokens
+
+
+def trace_fields(segment: str, block_tokens: int | None, positions: list[int] | None) -> dict:
+    """Hit-rate fields of one request from its log segment (see docs/eval/README.md)."""
+    sels = kvmem_log.selects(segment)
+    res = kvmem_log.residents(segment)
+    blocks = sorted({p // block_tokens for p in positions}) if positions and block_tokens else None
+    turn = next((r for r in res if r["reason"] == "turn"), None)
+    turn_select = next((e for e in sels if e.get("reason") == "turn"), sels[0] if sels else None)
+    want = set(blocks or ())
+    return {
+        "answer_blocks": blocks,
+        "turn_resident_hit": None if turn is None or blocks is None else want <= turn["blocks"],
+        "selects": len(sels),
+        "selects_hit": None if not res or blocks is None else sum(1 for r in res if want <= r["blocks"]),
+        "staged_in": None if turn_select is None else turn_select.get("staged_in"),
+    }
 
 
 class Reporter(Protocol):
@@ -130,6 +213,19 @@ class SilentReporter:
         pass
 
 
+@dataclass(frozen=True)
+class ServerJob:
+    """One server of a `--run`: a configuration at the lengths it serves."""
+
+    index: int
+    config: Config
+    lengths: list[int]
+
+    @property
+    def budget_length(self) -> int:
+        return self.lengths[0] if self.config.per_length else max(self.lengths)
+
+
 @dataclass
 class Evaluation:
     plan: Plan
@@ -139,17 +235,59 @@ class Evaluation:
     def __post_init__(self) -> None:
         self.log = ResultsLog(self.out_dir)
         self._samples: dict[Item, Sample] = {}  # the same prompts for every configuration
+        self._fit_locks: dict[Item, threading.Lock] = {}
+        self._hints: dict[tuple[str, int, int], int] = {}  # haystack size per (task, length, index)
+        self._positions: dict[str, list[int] | None] = {}  # rendered prompt digest -> answer token positions
+        self._lock = threading.Lock()
 
     def sample(self, client: EvalClient, item: Item) -> Sample:
-        if item not in self._samples:
-            self._samples[item] = fit_sample(item.task, item.length, item.depth, item.index, self.plan.seed,
-                                             client.count_tokens)
-        return self._samples[item]
+        with self._lock:
+            lock = self._fit_locks.setdefault(item, threading.Lock())
+        with lock:  # two servers needing the same sample fit it once
+            if item not in self._samples:
+                hint = self._hints.get((item.task, item.length, item.index))
+                s = fit_sample(item.task, item.length, item.depth, item.index, self.plan.seed, client.count_tokens,
+                               hint=hint)
+                self._hints[(item.task, item.length, item.index)] = s.units
+                self._samples[item] = s
+            return self._samples[item]
 
-    def run_one(self, client: EvalClient, item: Item, config: str, meta: dict) -> dict:
+    def answer_positions(self, client: EvalClient, messages: list[dict], s: Sample) -> list[int] | None:
+        """Token positions of the answers in the prompt the server builds from `messages` (None: unknown)."""
+        if not s.answer_offsets:
+            return None
+        rendered = client.apply_template(messages)
+        if rendered is None:
+            return None
+        key = hashlib.sha256(rendered.encode("utf-8")).hexdigest()
+        if key not in self._positions:
+            base = rendered.rfind(s.prompt)  # the scored user turn, as the template placed it
+            if base < 0:
+                self._positions[key] = None
+            else:
+                self._positions[key] = client.token_index(rendered, [base + o for o in s.answer_offsets])
+        return self._positions[key]
+
+    def run_one(self, client: EvalClient, item: Item, config: str, meta: dict,
+                server_log: ServerLog | None = None) -> dict:
         self.reporter.sample(item, config)
         s = self.sample(client, item)
-        answer = client.chat(s.prompt, s.max_tokens, seed=self.plan.seed)
+        messages: list[dict] = []
+        earlier: list[Completion] = []
+        multi = bool(s.history)
+        for turn in s.history:  # niah_followup: document A first; its answer becomes part of the chat
+            messages.append({"role": "user", "content": turn})
+            before = server_log.size() if server_log is not None else 0
+            first = client.chat_messages(messages, s.history_max_tokens, seed=self.plan.seed, cache_prompt=True)
+            if server_log is not None:
+                server_log.segment(before)  # let its trailing lines land: they are not the scored turn's
+            earlier.append(first)
+            messages.append({"role": "assistant", "content": first.text})
+        messages.append({"role": "user", "content": s.prompt})
+        start = server_log.size() if server_log is not None else 0
+        answer = client.chat_messages(messages, s.max_tokens, seed=self.plan.seed,
+                                      cache_prompt=True if multi else None)
+        segment = server_log.segment(start) if server_log is not None else None
         record = {
             "task": s.task, "length": s.length, "depth": s.depth, "sample": s.index, "seed": s.seed,
             "config": config, **meta,
@@ -159,9 +297,22 @@ class Evaluation:
             "completion_tokens": answer.completion_tokens, "cached_tokens": answer.cached_tokens,
             "finish_reason": answer.finish_reason,
             "haystack_units": s.units,
-            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "python": corpus.corpus_info()["python"],
         }
+        if earlier:
+            record["earlier_answers"] = [c.text for c in earlier]
+            record["earlier_latency_s"] = [round(c.latency_s, 3) for c in earlier]
+            record["earlier_prompt_tokens"] = [c.prompt_tokens for c in earlier]
+        positions = self.answer_positions(client, messages, s)
+        record["answer_positions"] = positions
+        block_tokens = server_log.block_tokens() if server_log is not None else None
+        if segment is not None:
+            record.update(trace_fields(segment, block_tokens, positions))
+        else:
+            record.update({"answer_blocks": None, "turn_resident_hit": None, "selects": None, "selects_hit": None,
+                           "staged_in": None})
+        record["block_tokens"] = block_tokens
+        record["time"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        record["python"] = corpus.corpus_info()["python"]
         self.log.append(record)
         self.reporter.result(record)
         return record
@@ -176,8 +327,9 @@ class Evaluation:
             raise KvmemError(f"the server's context is {n_ctx} tokens; these lengths need about {need}",
                              hint=f"start the server with -c {need} or more, or lower --lengths")
 
-    def run_endpoint(self, client: EvalClient, config: str, meta: dict | None = None) -> Iterator[dict]:
-        """Every pending sample against one already running endpoint."""
+    def run_endpoint(self, client: EvalClient, config: str, meta: dict | None = None,
+                     server_log: Path | None = None) -> Iterator[dict]:
+        """Every pending sample against one already running endpoint (`server_log`: its log file, if known)."""
         pending = self._pending(config)
         total = len(self.plan.items())
         self.reporter.begin(total, total - len(pending))
@@ -185,34 +337,116 @@ class Evaluation:
             return
         self._check_context(client)
         info = {"budget": None, "method": None, "model": client.model, "endpoint": client.root, **(meta or {})}
+        log = ServerLog(server_log) if server_log is not None else None
         for item in pending:
-            yield self.run_one(client, item, config, info)
+            yield self.run_one(client, item, config, info, log)
 
-    def run_configs(self, model: str, configs: list[Config], log_dir: Path,
-                    extra_args: list[str] | None = None, timeout: float = 1800.0) -> Iterator[dict]:
-        """Start a server per configuration (per length when the budget is a fraction) and run it."""
-        total = len(self.plan.items()) * len(configs)
-        pending_all = sum(len(self._pending(c.label)) for c in configs)
-        self.reporter.begin(total, total - pending_all)
-        ctx = _round_up(max(self.plan.lengths) + self.plan.max_output() + 128, 256)
+    def server_jobs(self, configs: list[Config]) -> list[ServerJob]:
+        """The servers a `--run` needs for what is still pending, in configuration order."""
+        jobs: list[ServerJob] = []
         for config in configs:
             groups = [[length] for length in self.plan.lengths] if config.per_length else [self.plan.lengths]
             for lengths in groups:
-                pending = self._pending(config.label, lengths)
-                if not pending:
+                if self._pending(config.label, lengths):
+                    jobs.append(ServerJob(len(jobs), config, lengths))
+        return jobs
+
+    def _run_job(self, job: ServerJob, model: str, log_dir: Path, extra_args: list[str] | None, timeout: float,
+                 stop: threading.Event, on_server: Callable[[Callable[[], None]], None] | None) -> Iterator[dict]:
+        config, length = job.config, job.budget_length
+        pending = self._pending(config.label, job.lengths)
+        if not pending:
+            return
+        ctx = _round_up(max(job.lengths) + self.plan.max_output() + 128, 256)
+        tag = re.sub(r"[^A-Za-z0-9._=-]+", "-", config.label.replace("/", "_"))
+        log_path = log_dir / f"server-{tag}-{length}.log"
+        # launcher server names must differ between servers running at once (each has its own log)
+        name = f"eval-{os.getpid()}-{job.index}-{re.sub(r'[^A-Za-z0-9]+', '-', config.label)[:32]}".rstrip("-")
+        at = length if config.per_length else None
+        self.reporter.server(config.label, at, None)
+        with serve(model, config, length, ctx, log_path, extra_args, name=name, on_start=on_server) as served:
+            self.reporter.server(config.label, at, served.url)
+            log = ServerLog(served.log_path, served.log_offset) if served.log_path is not None else None
+            with EvalClient(served.url, served.model_id, timeout=timeout) as client:
+                meta = {"budget": config.budget_text, "method": None if config.off else config.method,
+                        "budget_tokens": config.budget_tokens(length) if not config.off else 0,
+                        "engine_options": dict(config.options) or None, "model": model, "endpoint": served.url}
+                for item in pending:
+                    if stop.is_set():
+                        return
+                    yield self.run_one(client, item, config.label, meta, log)
+
+    def run_configs(self, model: str, configs: list[Config], log_dir: Path,
+                    extra_args: list[str] | None = None, timeout: float = 1800.0, jobs: int = 1) -> Iterator[dict]:
+        """Start a server per configuration (per length when the budget is a fraction) and run it.
+
+        `jobs` > 1 runs that many servers at once (one thread each, own port and log). The first
+        error stops them all: the other servers are shut down, which ends their requests in flight.
+        """
+        total = len(self.plan.items()) * len(configs)
+        pending_all = sum(len(self._pending(c.label)) for c in configs)
+        self.reporter.begin(total, total - pending_all)
+        work = self.server_jobs(configs)
+        stop = threading.Event()
+        if jobs <= 1 or len(work) <= 1:
+            for job in work:
+                yield from self._run_job(job, model, log_dir, extra_args, timeout, stop, None)
+            return
+
+        todo: queue.Queue[ServerJob] = queue.Queue()
+        for job in work:
+            todo.put(job)
+        results: queue.Queue[tuple[str, object]] = queue.Queue()
+        stoppers: list[Callable[[], None]] = []
+        stoppers_lock = threading.Lock()
+
+        def register(stop_server: Callable[[], None]) -> None:
+            with stoppers_lock:
+                stoppers.append(stop_server)
+            if stop.is_set():  # started while the run was being stopped
+                stop_server()
+
+        def worker() -> None:
+            try:
+                while not stop.is_set():
+                    try:
+                        job = todo.get_nowait()
+                    except queue.Empty:
+                        break
+                    for record in self._run_job(job, model, log_dir, extra_args, timeout, stop, register):
+                        results.put(("record", record))
+            except BaseException as exc:  # handed to the main thread, which re-raises the first one
+                results.put(("error", exc))
+            finally:
+                results.put(("done", None))
+
+        threads = [threading.Thread(target=worker, name=f"kvmem-eval-{i}", daemon=True)
+                   for i in range(min(jobs, len(work)))]
+        for t in threads:
+            t.start()
+        running = len(threads)
+        try:
+            while running:
+                try:
+                    kind, value = results.get(timeout=0.5)
+                except queue.Empty:
                     continue
-                length_for_budget = lengths[0] if config.per_length else max(lengths)
-                tag = config.label.replace("/", "_").replace(" ", "-")
-                log_path = log_dir / f"server-{tag}-{length_for_budget}.log"
-                self.reporter.server(config.label, length_for_budget if config.per_length else None, None)
-                with serve(model, config, length_for_budget, ctx, log_path, extra_args) as (url, model_id):
-                    self.reporter.server(config.label, length_for_budget if config.per_length else None, url)
-                    with EvalClient(url, model_id, timeout=timeout) as client:
-                        meta = {"budget": config.budget_text, "method": None if config.off else config.method,
-                                "budget_tokens": config.budget_tokens(length_for_budget) if not config.off else 0,
-                                "model": model, "endpoint": url}
-                        for item in pending:
-                            yield self.run_one(client, item, config.label, meta)
+                if kind == "done":
+                    running -= 1
+                elif kind == "error":
+                    if not stop.is_set():
+                        raise value  # type: ignore[misc]
+                else:
+                    yield value  # type: ignore[misc]
+        finally:
+            if running:
+                stop.set()
+                with stoppers_lock:
+                    for stop_server in stoppers:
+                        with contextlib.suppress(Exception):
+                            stop_server()
+                for t in threads:
+                    t.join(timeout=30)
 
 
 def _round_up(n: int, multiple: int) -> int:
