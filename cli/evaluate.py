@@ -88,8 +88,8 @@ def _summary_table(summary: Summary) -> Table:
     return table
 
 
-def _show_report(out: Path) -> None:
-    summary, files = render(out)
+def _show_report(out: Path, order: list[str] | None = None) -> None:
+    summary, files = render(out, order)
     console.print(_summary_table(summary))
     for f in files:
         console.print(f"[dim]wrote[/] {f}")
@@ -123,6 +123,8 @@ def _write_meta(out: Path, entry: dict) -> None:
 @click.option("--server-arg", "--server-args", "server_args", multiple=True, metavar="ARGS",
               help="With --run: extra llama-server flags for every server (shell-quoted, repeatable), "
                    "e.g. --server-args '-ngl 99 -t 4'.")
+@click.option("--engine", metavar="KEY",
+              help="With --run: the engine (a key of `kvmem engines`, cpu or gpu; default: the one for this GPU).")
 @click.option("--jobs", default=1, show_default=True, type=click.IntRange(1),
               help="With --run: servers (configurations) to run at once, each with its own port and log.")
 @click.option("--server-log", type=click.Path(dir_okay=False, path_type=Path),
@@ -144,7 +146,8 @@ def _write_meta(out: Path, entry: dict) -> None:
 @click.option("--api-key", envvar="OPENAI_API_KEY", help="Bearer token for --endpoint (env OPENAI_API_KEY).")
 @click.pass_context
 def eval_group(ctx: click.Context, endpoint: str | None, model_id: str | None, label: str | None,
-               run_model: str | None, budgets: str, method: str, server_args: tuple[str, ...], jobs: int,
+               run_model: str | None, budgets: str, method: str, server_args: tuple[str, ...], engine: str | None,
+               jobs: int,
                server_log: Path | None, tasks_spec: str, lengths: str, depths: str, samples: int, seed: int,
                out_dir: Path, timeout: float, api_key: str | None) -> None:
     """Measure long-context recall: RULER-style tasks, generated offline, sized by the server's tokenizer.
@@ -166,9 +169,9 @@ def eval_group(ctx: click.Context, endpoint: str | None, model_id: str | None, l
         return
     if bool(endpoint) == bool(run_model):
         raise click.UsageError("give either --endpoint URL (a running server) or --run MODEL (start servers)")
-    if endpoint and (budgets != "0" or server_args or jobs != 1):
-        raise click.UsageError("--budgets, --server-args and --jobs need --run (with --endpoint the server is "
-                               "yours: name its configuration with --label)")
+    if endpoint and (budgets != "0" or server_args or jobs != 1 or engine):
+        raise click.UsageError("--budgets, --server-args, --engine and --jobs need --run (with --endpoint the "
+                               "server is yours: name its configuration with --label)")
     if run_model and server_log:
         raise click.UsageError("--server-log is for --endpoint; with --run the harness reads its servers' logs")
     plan = Plan(parse_tasks(tasks_spec), [parse_length(x) for x in lengths.split(",") if x.strip()],
@@ -192,16 +195,17 @@ def eval_group(ctx: click.Context, endpoint: str | None, model_id: str | None, l
                         pass
             else:
                 assert run_model is not None
-                for _ in evaluation.run_configs(run_model, configs, out_dir / "logs", extra, timeout, jobs=jobs):
+                for _ in evaluation.run_configs(run_model, configs, out_dir / "logs", extra, timeout, jobs=jobs,
+                                                engine=engine):
                     pass
     except KeyboardInterrupt:
         kept = len(load_records(out_dir))
         console.print(f"[yellow]interrupted[/]: {kept} results kept in {out_dir / RESULTS}; "
                       "run the same command again to resume")
         if kept:
-            _show_report(out_dir)
+            _show_report(out_dir, [c.label for c in configs])
         raise
-    _show_report(out_dir)
+    _show_report(out_dir, [c.label for c in configs])
 
 
 @eval_group.command("report")

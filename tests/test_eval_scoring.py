@@ -270,6 +270,8 @@ def test_summary_reports_the_hit_rate_next_to_the_score() -> None:
     assert "| configuration | task | 8K | 8K hit |" in md
     assert f"| 1/8 votes | niah_single_essay | 60.0 [31.3, 83.2] (10) | {hit.text()} |" in md
     assert "| off | niah_single_essay | 100.0 [20.7, 100.0] (1) | - |" in md
+    assert s.configs == ["1/8 votes", "off"]  # first appearance, unless the command's order is given
+    assert summarize(records, order=["off", "1/8 votes", "1/8 quest"]).configs == ["off", "1/8 votes"]
     data = to_json(s)
     cell = next(c for c in data["cells"] if c["config"] == "1/8 votes")
     assert cell["turn_resident_hit"]["n"] == 9 and cell["score"]["n"] == 10

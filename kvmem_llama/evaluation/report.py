@@ -49,10 +49,13 @@ def _ordered(values) -> list:
     return list(dict.fromkeys(values))
 
 
-def summarize(records: list[dict]) -> Summary:
+def summarize(records: list[dict], order: list[str] | None = None) -> Summary:
+    """`order`: configuration labels to list first, in that order (e.g. the command's --budgets);
+    the rest follow in the order they first appear (with --jobs that order varies)."""
     if not records:
         raise KvmemError("no results to summarize", hint="run `kvmem eval` first; results live in OUT/results.jsonl")
-    configs = _ordered(r["config"] for r in records)
+    seen = _ordered(r["config"] for r in records)
+    configs = [c for c in order or [] if c in seen] + [c for c in seen if c not in (order or [])]
     tasks = _ordered(r["task"] for r in records)
     lengths = sorted({int(r["length"]) for r in records})
     depths = sorted({int(r["depth"]) for r in records if r.get("depth") is not None})
@@ -207,10 +210,10 @@ def plot_heatmap(summary: Summary, path: Path) -> Path:
     return path
 
 
-def render(out_dir: Path) -> tuple[Summary, list[Path]]:
-    """Re-read OUT/results.jsonl and (re)write summary.md and both PNGs."""
+def render(out_dir: Path, order: list[str] | None = None) -> tuple[Summary, list[Path]]:
+    """Re-read OUT/results.jsonl and (re)write summary.md, summary.json and both PNGs."""
     out_dir = Path(out_dir)
-    summary = summarize(load_records(out_dir))
+    summary = summarize(load_records(out_dir), order)
     md = out_dir / SUMMARY_MD
     md.write_text(markdown(summary), encoding="utf-8")
     js = out_dir / SUMMARY_JSON

@@ -352,7 +352,8 @@ class Evaluation:
         return jobs
 
     def _run_job(self, job: ServerJob, model: str, log_dir: Path, extra_args: list[str] | None, timeout: float,
-                 stop: threading.Event, on_server: Callable[[Callable[[], None]], None] | None) -> Iterator[dict]:
+                 stop: threading.Event, on_server: Callable[[Callable[[], None]], None] | None,
+                 engine: str | None = None) -> Iterator[dict]:
         config, length = job.config, job.budget_length
         pending = self._pending(config.label, job.lengths)
         if not pending:
@@ -364,7 +365,8 @@ class Evaluation:
         name = f"eval-{os.getpid()}-{job.index}-{re.sub(r'[^A-Za-z0-9]+', '-', config.label)[:32]}".rstrip("-")
         at = length if config.per_length else None
         self.reporter.server(config.label, at, None)
-        with serve(model, config, length, ctx, log_path, extra_args, name=name, on_start=on_server) as served:
+        with serve(model, config, length, ctx, log_path, extra_args, name=name, on_start=on_server,
+                   engine=engine) as served:
             self.reporter.server(config.label, at, served.url)
             log = ServerLog(served.log_path, served.log_offset) if served.log_path is not None else None
             with EvalClient(served.url, served.model_id, timeout=timeout) as client:
@@ -377,7 +379,8 @@ class Evaluation:
                     yield self.run_one(client, item, config.label, meta, log)
 
     def run_configs(self, model: str, configs: list[Config], log_dir: Path,
-                    extra_args: list[str] | None = None, timeout: float = 1800.0, jobs: int = 1) -> Iterator[dict]:
+                    extra_args: list[str] | None = None, timeout: float = 1800.0, jobs: int = 1,
+                    engine: str | None = None) -> Iterator[dict]:
         """Start a server per configuration (per length when the budget is a fraction) and run it.
 
         `jobs` > 1 runs that many servers at once (one thread each, own port and log). The first
@@ -390,7 +393,7 @@ class Evaluation:
         stop = threading.Event()
         if jobs <= 1 or len(work) <= 1:
             for job in work:
-                yield from self._run_job(job, model, log_dir, extra_args, timeout, stop, None)
+                yield from self._run_job(job, model, log_dir, extra_args, timeout, stop, None, engine)
             return
 
         todo: queue.Queue[ServerJob] = queue.Queue()
@@ -413,7 +416,7 @@ class Evaluation:
                         job = todo.get_nowait()
                     except queue.Empty:
                         break
-                    for record in self._run_job(job, model, log_dir, extra_args, timeout, stop, register):
+                    for record in self._run_job(job, model, log_dir, extra_args, timeout, stop, register, engine):
                         results.put(("record", record))
             except BaseException as exc:  # handed to the main thread, which re-raises the first one
                 results.put(("error", exc))

@@ -315,12 +315,14 @@ def _copy_log(src: Path, start: int, dest: Path) -> None:
 @contextlib.contextmanager
 def serve(model: str, config: Config, length: int, ctx: int, log_path: Path,
           extra_args: list[str] | None = None, ready_timeout: float = 300.0,
-          name: str | None = None, on_start: Callable[[Callable[[], None]], None] | None = None) -> Iterator[Served]:
+          name: str | None = None, on_start: Callable[[Callable[[], None]], None] | None = None,
+          engine: str | None = None) -> Iterator[Served]:
     """Start a server for `config` at `length`; yields a `Served`; stops it afterwards.
 
     With the launcher the server logs under the launcher's state folder (under `name`, which
     must be unique among servers running at once); its lines are copied to `log_path` at the end.
     `on_start` receives a function that stops the server (for stopping it from another thread).
+    `engine` picks the launcher's engine (a key of `kvmem engines`, "cpu" or "gpu"; default: by GPU).
     """
     args = eval_args(config, length, extra_args)
     try:
@@ -328,6 +330,8 @@ def serve(model: str, config: Config, length: int, ctx: int, log_path: Path,
     except ImportError:
         start_server = None
     if start_server is None:
+        if engine not in (None, "cpu"):
+            raise KvmemError(f"--engine {engine} needs kvmem's launcher; the built-in starter runs the CPU engine only")
         started = _fallback_start(model, extra_args=args, ctx=ctx, log_path=log_path, ready_timeout=ready_timeout)
         if on_start is not None:
             on_start(started.stop)
@@ -344,6 +348,8 @@ def serve(model: str, config: Config, length: int, ctx: int, log_path: Path,
         options["self_test"] = False
     if name and _accepts(start_server, "name"):
         options["name"] = name
+    if engine:
+        options["engine"] = engine
 
     def start(flags: list[str]):
         try:
