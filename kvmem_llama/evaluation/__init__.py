@@ -9,7 +9,9 @@ from kvmem_llama.evaluation.client import EvalClient
 from kvmem_llama.evaluation.runner import Evaluation, Item, Plan, load_records
 from kvmem_llama.evaluation.scoring import score
 from kvmem_llama.evaluation.servers import Config, parse_budgets, parse_length
-from kvmem_llama.evaluation.tasks import TASKS, Sample, fit_sample, parse_tasks
+from kvmem_llama.evaluation.stats import Estimate, estimate, wilson
+from kvmem_llama.evaluation.tasks import TASKS, Sample, fit_sample, parse_depths, parse_tasks
 
 __all__ = ["EvalClient", "Evaluation", "Item", "Plan", "load_records", "score", "Config", "parse_budgets",
-           "parse_length", "TASKS", "Sample", "fit_sample", "parse_tasks"]
+           "parse_length", "Estimate", "estimate", "wilson", "TASKS", "Sample", "fit_sample", "parse_depths",
+           "parse_tasks"]

@@ -137,6 +137,7 @@ class ServerLog:
         self.path = Path(path)
         self.start = start
         self._block_tokens: int | None = None
+        self._looked = False
 
     def size(self) -> int:
         try:
@@ -165,8 +166,12 @@ class ServerLog:
             time.sleep(0.02)
 
     def block_tokens(self) -> int | None:
-        """Tokens per KV block from the engine's ARMED line (None: tiering is not armed)."""
-        if self._block_tokens is None:
+        """Tokens per KV block from the engine's ARMED line (None: tiering is not armed).
+
+        The engine prints ARMED while loading, before the server answers: one look is enough.
+        """
+        if not self._looked:
+            self._looked = True
             armed = [e for line in self.read(self.start).splitlines() if (e := kvmem_log.parse_armed(line))]
             if armed:
                 self._block_tokens = int(armed[-1]["block_tokens"])
