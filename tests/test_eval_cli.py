@@ -179,3 +179,10 @@ def test_eval_jobs_run_configurations_at_once_with_the_same_results(cpu_engine, 
     assert all(r["answer_blocks"] == [p // 128 for p in r["answer_positions"]] for r in tiered)
     off = [r for r in results[2].values() if r["config"] == "off"]
     assert all(r["block_tokens"] is None and r["selects"] == 0 and r["answer_blocks"] is None for r in off)
+    trace = (tmp_path / "jobs2" / "logs" / "server-640-recency-900.log").read_text("utf-8", errors="replace")
+    if "kvmem_trace: resident" in trace:  # engines with the resident trace line
+        hit = {r["depth"]: r["turn_resident_hit"] for r in tiered}
+        # recency keeps the sink and the newest blocks of a 900-token prompt in 640 tokens: the needle at
+        # 90% is resident after the turn's selection, the one at 10% is not
+        assert hit == {90: True, 10: False}, tiered
+        assert all(r["selects_hit"] is not None for r in tiered)
