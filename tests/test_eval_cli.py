@@ -186,3 +186,12 @@ def test_eval_jobs_run_configurations_at_once_with_the_same_results(cpu_engine, 
         # 90% is resident after the turn's selection, the one at 10% is not
         assert hit == {90: True, 10: False}, tiered
         assert all(r["selects_hit"] is not None for r in tiered)
+
+
+def test_eval_run_refuses_a_length_beyond_the_training_context(tmp_path: Path) -> None:
+    """SmolLM2 was trained on 8192 tokens: an 8k prompt + answer does not fit; said before any server starts."""
+    proc = kvmem("eval", "--run", "smollm2", "--budgets", "0,recency:1/8", "--tasks", "niah_single_noise",
+                 "--lengths", "2k,8k", "--depths", "50", "--samples", "1", "--out", str(tmp_path / "long"), timeout=60)
+    assert proc.returncode != 0
+    assert "training context is 8192 tokens" in proc.stderr and "--lengths up to" in proc.stderr, proc.stderr
+    assert "ready at" not in proc.stdout  # no server was started

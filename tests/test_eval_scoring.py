@@ -275,3 +275,16 @@ def test_summary_reports_the_hit_rate_next_to_the_score() -> None:
     data = to_json(s)
     cell = next(c for c in data["cells"] if c["config"] == "1/8 votes")
     assert cell["turn_resident_hit"]["n"] == 9 and cell["score"]["n"] == 10
+
+
+def test_server_context_stops_at_the_training_context(tmp_path: Path) -> None:
+    from kvmem_llama.evaluation.runner import Evaluation
+
+    e = Evaluation(Plan(["niah_single_essay"], [8192], [50], 1, 0), tmp_path)  # answers up to 32 tokens
+    assert e._server_ctx([8192]) == 8448  # prompt + answer + template, rounded up to 256
+    assert e._server_ctx([8192], 32768) == 8448
+    assert e._server_ctx([32000], 32768) == 32256
+    assert e._server_ctx([32650], 32768) == 32768  # the rounding headroom would pass the model's limit
+    with pytest.raises(KvmemError, match="training context is 32768") as err:
+        e._server_ctx([32768], 32768)
+    assert "--lengths up to 32672" in str(err.value.hint)

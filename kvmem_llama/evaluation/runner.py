@@ -32,7 +32,7 @@ from kvmem_llama.errors import KvmemError
 from kvmem_llama.evaluation import corpus
 from kvmem_llama.evaluation.client import Completion, EvalClient
 from kvmem_llama.evaluation.scoring import score
-from kvmem_llama.evaluation.servers import Config, serve
+from kvmem_llama.evaluation.servers import Config, serve, training_context
 from kvmem_llama.evaluation.tasks import TASKS, Sample, fit_sample
 
 RESULTS = "results.jsonl"
@@ -244,6 +244,7 @@ class Evaluation:
         self._hints: dict[tuple[str, int, int], int] = {}  # haystack size per (task, length, index)
         self._positions: dict[str, list[int] | None] = {}  # rendered prompt digest -> answer token positions
         self._lock = threading.Lock()
+        self._n_ctx_train: int | None = None  # of the --run model
 
     def sample(self, client: EvalClient, item: Item) -> Sample:
         with self._lock:
@@ -363,7 +364,7 @@ class Evaluation:
         pending = self._pending(config.label, job.lengths)
         if not pending:
             return
-        ctx = _round_up(max(job.lengths) + self.plan.max_output() + 128, 256)
+        ctx = self._server_ctx(job.lengths)
         tag = re.sub(r"[^A-Za-z0-9._=-]+", "-", config.label.replace("/", "_"))
         log_path = log_dir / f"server-{tag}-{length}.log"
         # launcher server names must differ between servers running at once (each has its own log)
@@ -383,6 +384,23 @@ class Evaluation:
                         return
                     yield self.run_one(client, item, config.label, meta, log)
 
+    def _server_ctx(self, lengths: list[int], n_ctx_train: int | None = None) -> int:
+        """The -c of a server for these lengths: prompt + answer + the chat template, rounded up.
+
+        llama-server caps a slot at the model's training context (and the launcher then refuses
+        it as not the context asked for): the rounding headroom stops there.
+        """
+        need = max(lengths) + self.plan.max_output() + 64
+        ctx = _round_up(need + 64, 256)
+        limit = n_ctx_train if n_ctx_train is not None else self._n_ctx_train
+        if limit and ctx > limit:
+            if need > limit:
+                raise KvmemError(f"the model's training context is {limit} tokens; a {max(lengths)}-token prompt "
+                                 f"needs about {need} with the answer and the chat template",
+                                 hint=f"use --lengths up to {limit - self.plan.max_output() - 64}")
+            ctx = limit
+        return ctx
+
     def run_configs(self, model: str, configs: list[Config], log_dir: Path,
                     extra_args: list[str] | None = None, timeout: float = 1800.0, jobs: int = 1,
                     engine: str | None = None) -> Iterator[dict]:
@@ -395,6 +413,9 @@ class Evaluation:
         pending_all = sum(len(self._pending(c.label)) for c in configs)
         self.reporter.begin(total, total - pending_all)
         work = self.server_jobs(configs)
+        self._n_ctx_train = training_context(model) if work else None
+        for job in work:  # a length the model cannot take stops the run before any server starts
+            self._server_ctx(job.lengths)
         stop = threading.Event()
         if jobs <= 1 or len(work) <= 1:
             for job in work:

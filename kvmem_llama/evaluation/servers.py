@@ -196,6 +196,17 @@ def resolve_model(model: str) -> Path:
     raise KvmemError(f"no model {model!r}", hint=f"a GGUF file or one of: {', '.join(SHIPPED)}")
 
 
+def training_context(model: str) -> int | None:
+    """The model's training context (GGUF `<arch>.context_length`); None when unknown."""
+    try:
+        from kvmem_llama import planner
+
+        n = planner.shape_from_gguf(resolve_model(model)).n_ctx_train
+    except Exception:  # unreadable metadata: let the server decide
+        return None
+    return int(n) or None
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
