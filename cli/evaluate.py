@@ -182,7 +182,8 @@ def eval_group(ctx: click.Context, endpoint: str | None, model_id: str | None, l
     _write_meta(out_dir, {"argv": ["kvmem", *sys.argv[1:]],
                           "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                           "tasks": plan.tasks, "lengths": plan.lengths, "depths": plan.depths, "samples": samples,
-                          "seed": seed, "jobs": jobs, "corpus": corpus.corpus_info()})
+                          "seed": seed, "jobs": jobs, "corpus": corpus.corpus_info(),
+                          "configs": [c.label for c in configs] if run_model else [label or "endpoint"]})
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[score]}"), TimeElapsedColumn(), console=console, transient=False)
     reporter = ProgressReporter(progress)
@@ -203,9 +204,9 @@ def eval_group(ctx: click.Context, endpoint: str | None, model_id: str | None, l
         console.print(f"[yellow]interrupted[/]: {kept} results kept in {out_dir / RESULTS}; "
                       "run the same command again to resume")
         if kept:
-            _show_report(out_dir, [c.label for c in configs])
+            _show_report(out_dir)
         raise
-    _show_report(out_dir, [c.label for c in configs])
+    _show_report(out_dir)
 
 
 @eval_group.command("report")

@@ -288,3 +288,15 @@ def test_server_context_stops_at_the_training_context(tmp_path: Path) -> None:
     with pytest.raises(KvmemError, match="training context is 32768") as err:
         e._server_ctx([32768], 32768)
     assert "--lengths up to 32672" in str(err.value.hint)
+
+
+def test_report_lists_configurations_in_the_commands_order(tmp_path: Path) -> None:
+    records = [_record(c, "vt", 1024, 50, 0, 0.0) for c in ("1/8 quest", "off", "1/8 votes")]  # --jobs order
+    with open(tmp_path / "results.jsonl", "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in records)
+    runs = [{"argv": ["kvmem", "eval"], "configs": ["off", "1/8 votes"]}, {"argv": [], "configs": ["1/8 quest"]}]
+    (tmp_path / "runs.json").write_text(json.dumps(runs), encoding="utf-8")
+    summary, _ = render(tmp_path)
+    assert summary.configs == ["off", "1/8 votes", "1/8 quest"]
+    (tmp_path / "runs.json").write_text("[{\"argv\": []}]", encoding="utf-8")  # older folders: first appearance
+    assert render(tmp_path)[0].configs == ["1/8 quest", "off", "1/8 votes"]

@@ -210,10 +210,23 @@ def plot_heatmap(summary: Summary, path: Path) -> Path:
     return path
 
 
+def config_order(out_dir: Path) -> list[str]:
+    """The configurations in the order the commands of runs.json named them (their --budgets)."""
+    try:
+        runs = json.loads((Path(out_dir) / "runs.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return []
+    labels = [c for run in runs if isinstance(run, dict) for c in run.get("configs") or []]
+    return list(dict.fromkeys(labels))
+
+
 def render(out_dir: Path, order: list[str] | None = None) -> tuple[Summary, list[Path]]:
-    """Re-read OUT/results.jsonl and (re)write summary.md, summary.json and both PNGs."""
+    """Re-read OUT/results.jsonl and (re)write summary.md, summary.json and both PNGs.
+
+    `order` lists configurations first; by default the order runs.json recorded for the commands.
+    """
     out_dir = Path(out_dir)
-    summary = summarize(load_records(out_dir), order)
+    summary = summarize(load_records(out_dir), order if order is not None else config_order(out_dir))
     md = out_dir / SUMMARY_MD
     md.write_text(markdown(summary), encoding="utf-8")
     js = out_dir / SUMMARY_JSON

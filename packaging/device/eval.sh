@@ -29,8 +29,8 @@ start=$(date +%s)
 timeout -s INT -k 60 "${TIME_LIMIT:-540}" \
   kvmem eval --run "$MODEL" "${engine[@]}" --server-args "${SERVER_ARGS:--ngl 99 -t 4}" --out "$DIR" "$@"
 rc=$?
-echo "kvmem eval $*: exit $rc after $(( $(date +%s) - start )) s, $(wc -l < "$DIR/results.jsonl" 2>/dev/null || echo 0) results" \
-  | tee -a "$OUT/eval-notes.txt"
+n=0; [ -f "$DIR/results.jsonl" ] && n=$(wc -l < "$DIR/results.jsonl")
+echo "kvmem eval $*: exit $rc after $(( $(date +%s) - start )) s, $n results" | tee -a "$OUT/eval-notes.txt"
 if [ -f "$DIR/results.jsonl" ]; then
   kvmem eval report "$DIR" >/dev/null
   cp "$DIR/results.jsonl" "$DIR/summary.md" "$DIR/summary.json" "$OUT/"
