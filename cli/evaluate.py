@@ -129,7 +129,7 @@ def _write_meta(out: Path, entry: dict) -> None:
               help="With --run: servers (configurations) to run at once, each with its own port and log.")
 @click.option("--server-log", type=click.Path(dir_okay=False, path_type=Path),
               help="With --endpoint: the server's log file, for the answer-block hit rate (needs -np 1 and "
-                   "--kvmem-trace on the server).")
+                   "--kvmem-trace -lv 4 on the server).")
 @click.option("--tasks", "tasks_spec", default=DEFAULT_TASKS, show_default=True,
               help="Comma list of tasks or groups (see `kvmem eval tasks`).")
 @click.option("--lengths", default="4k,8k", show_default=True, help="Context lengths in tokens (4k = 4096).")

@@ -104,9 +104,10 @@ def test_budgets_take_any_method_name_and_engine_options() -> None:
 def test_eval_servers_get_one_slot_and_the_trace() -> None:
     tiered, off = parse_budgets("recency:1/8,0")
     assert eval_args(tiered, 8192) == ["--kvmem-budget", "1024", "--kvmem-method", "recency", "--kvmem-trace",
-                                       "-np", "1"]
+                                       "-lv", "4", "-np", "1"]
     assert eval_args(off, 8192, ["-t", "4"]) == ["-np", "1", "-t", "4"]  # tiering off: no kvmem flag at all
     assert eval_args(tiered, 8192, ["--parallel", "2", "--kvmem-trace"])[-3:] == ["--parallel", "2", "--kvmem-trace"]
+    assert eval_args(tiered, 8192, ["-lv", "5"]).count("-lv") == 1
     assert eval_args(tiered, 8192, ["--parallel", "2"]).count("-np") == 0
 
 

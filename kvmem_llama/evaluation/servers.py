@@ -308,6 +308,9 @@ def eval_args(config: Config, length: int, extra_args: list[str] | None = None) 
     args = config.server_args(length)
     if not config.off and not _has_flag(extra, "--kvmem-trace"):
         args.append("--kvmem-trace")  # resident blocks per selection: the answer-block hit rate
+    if not config.off and not _has_flag(extra, "-lv", "--verbosity", "--log-verbosity"):
+        # the engine's kvmem_trace lines are libllama INFO, which llama-server shows from verbosity 4
+        args += ["-lv", "4"]
     if not _has_flag(extra, "-np", "--parallel"):
         args += ["-np", "1"]  # one request at a time: a request's log lines are its own
     return [*args, *extra]
