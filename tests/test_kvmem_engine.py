@@ -42,10 +42,10 @@ def essay(n_sentences: int) -> str:
     )
 
 
-def complete(url: str, prompt: str, n_predict: int = 16, timeout: float = 600.0) -> dict:
+def complete(url: str, prompt: str | list[int], n_predict: int = 16, timeout: float = 600.0, **extra) -> dict:
     resp = httpx.post(f"{url}/completion", json={
         "prompt": prompt, "n_predict": n_predict, "temperature": 0, "top_k": 1, "cache_prompt": False,
-        "return_tokens": True,
+        "return_tokens": True, **extra,
     }, timeout=timeout)
     resp.raise_for_status()
     return resp.json()
@@ -90,7 +90,8 @@ def test_prompt_of_8x_the_budget_completes_with_logs_metrics_props_slots(llama_s
     sel = kvmem_log.selects(log)
     assert sel, log[-3000:]
     assert sel[-1]["n_blocks"] >= out["tokens_evaluated"] // 64 - 1
-    assert sel[-1]["sink"] == 1 and sel[-1]["recent"] == 2 and sel[-1]["query_tokens"] == 32
+    assert sel[-1]["sink"] == 1 and sel[-1]["recent"] == 2 and sel[-1]["query_tokens"] == 128
+    assert sel[-1]["reason"] == "turn" and sel[-1]["method"] == "mass"  # retrieval = the default scorer
     assert sel[-1]["sink"] + sel[-1]["recent"] + sel[-1]["scored"] <= 8
 
     assert after["kvmem_selections_total"] > before.get("kvmem_selections_total", 0)
@@ -99,7 +100,7 @@ def test_prompt_of_8x_the_budget_completes_with_logs_metrics_props_slots(llama_s
     assert after["kvmem_host_bytes"] > 0
     assert after["kvmem_budget_tokens"] == 512
     assert props["kvmem"]["enabled"] is True and props["kvmem"]["budget"] == 512
-    assert props["kvmem"]["method"] == "retrieval"
+    assert props["kvmem"]["method"] == "retrieval" and props["kvmem"]["prefill"] == "window"
     assert slots[0]["kvmem"]["blocks_host"] >= 60 and slots[0]["kvmem"]["selections"] >= 1
 
 
@@ -148,7 +149,8 @@ def test_host_pool_too_small_is_a_request_error_and_the_server_stays_up(llama_se
 def test_invalid_flags_are_rejected_at_startup(cpu_engine: Engine, smollm2) -> None:
     for flags, needle in [
         (["--kvmem-budget", "256"], "--kvmem-budget 256 is too small"),
-        (["--kvmem-budget", "1024", "--kvmem-method", "best"], "--kvmem-method must be retrieval or recency"),
+        (["--kvmem-budget", "1024", "--kvmem-method", "best"], "--kvmem-method must be one of retrieval, recency"),
+        (["--kvmem-budget", "1024", "--kvmem-prefill", "all"], "--kvmem-prefill must be window or retrieval"),
         (["--kvmem-budget", "1024", "-fa", "off"], "needs flash attention"),
     ]:
         proc = subprocess.run([str(cpu_engine.server), "-m", str(smollm2), *flags], capture_output=True,

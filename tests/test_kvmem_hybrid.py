@@ -128,7 +128,7 @@ def test_refresh_lets_a_generation_run_4x_past_the_reserve(llama_server, smollm2
 def test_refresh_is_on_by_default_and_documented(cpu_engine) -> None:
     server = str(cpu_engine.binary("llama-server"))
     text = " ".join(subprocess.run([server, "--help"], capture_output=True, text=True, timeout=60).stdout.split())
-    assert "--kvmem-refresh N" in text and "(default: 128, 0 = off)" in text
+    assert "--kvmem-refresh N" in text and "(default: 128, 0 = only then)" in text
 
 
 @pytest.mark.slow

@@ -65,7 +65,7 @@ def recent_log(n: int = 50) -> list[str]:
     return _log_sink[-n:]
 
 
-KVMEM_METHODS = {"retrieval": 0, "recency": 1}
+PREFILL_MODES = {"window": 0, "retrieval": 1}
 
 
 @dataclass(frozen=True)
@@ -77,15 +77,20 @@ class KvmemConfig:
     sink: int = 128
     recent: int = 256
     gen_reserve: int = 256
-    query_tokens: int = 32
+    query_tokens: int = 128
     host_mib: int = 0  # 0 = sized for the whole context
-    method: str = "retrieval"  # or "recency"
-    refresh: int = 128  # re-select every N generated tokens; 0 = off
+    method: str = "retrieval"  # the engine's names: retrieval, recency, quest, meankey, subpage, votes, mass
+    refresh: int = 128  # re-select every N generated tokens; 0 = only when the reserve is full
     trace: bool = False
+    prefill: str = "window"  # or "retrieval"
 
-    def apply(self, cparams) -> None:
-        if self.method not in KVMEM_METHODS:
-            raise KvmemError(f"unknown kvmem method {self.method!r}", hint="use retrieval or recency")
+    def apply(self, cparams, lib) -> None:
+        method = lib.llama_kvmem_method_from_name(self.method.encode())
+        if method < 0:
+            raise KvmemError(f"unknown kvmem method {self.method!r}",
+                             hint="retrieval, recency, quest, meankey, subpage, votes or mass")
+        if self.prefill not in PREFILL_MODES:
+            raise KvmemError(f"unknown kvmem prefill mode {self.prefill!r}", hint="window or retrieval")
         cparams.kvmem_budget = self.budget
         cparams.kvmem_block = self.block
         cparams.kvmem_sink = self.sink
@@ -93,9 +98,10 @@ class KvmemConfig:
         cparams.kvmem_gen_reserve = self.gen_reserve
         cparams.kvmem_query_tokens = self.query_tokens
         cparams.kvmem_host_mib = self.host_mib
-        cparams.kvmem_method = KVMEM_METHODS[self.method]
+        cparams.kvmem_method = method
         cparams.kvmem_refresh = self.refresh
         cparams.kvmem_trace = self.trace
+        cparams.kvmem_prefill = PREFILL_MODES[self.prefill]
 
 
 @dataclass(frozen=True)
@@ -164,7 +170,7 @@ class Llama:
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         if kvmem is not None:
-            kvmem.apply(cparams)
+            kvmem.apply(cparams, lib)
         if context_overrides:
             context_overrides(cparams)
         ctx = lib.llama_init_from_model(model, cparams)

@@ -95,6 +95,7 @@ struct llama_context_params {
     int32_t kvmem_method;
     int32_t kvmem_refresh;
     bool kvmem_trace;
+    int32_t kvmem_prefill;
 };
 
 struct llama_kvmem_stats {
@@ -192,6 +193,10 @@ int32_t llama_kvmem_get_stats(const struct llama_context * ctx, struct llama_kvm
 int32_t llama_kvmem_get_seq_stats(const struct llama_context * ctx, llama_seq_id seq_id,
                                   struct llama_kvmem_stats * stats);
 const char * llama_kvmem_last_error(const struct llama_context * ctx);
+int32_t llama_kvmem_set_query_span(struct llama_context * ctx, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+int32_t llama_kvmem_seq_release(struct llama_context * ctx, llama_seq_id seq_id);
+const char * llama_kvmem_method_name(int32_t method);
+int32_t llama_kvmem_method_from_name(const char * name);
 
 struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
 void llama_perf_context_reset(struct llama_context * ctx);

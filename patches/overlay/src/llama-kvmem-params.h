@@ -4,9 +4,22 @@
 
 #include <cstdint>
 
+// how blocks beyond the sink, the question and the recent window are picked (llama.h keeps the same numbers)
 enum llama_kvmem_method_e {
-    LLAMA_KVMEM_METHOD_RETRIEVAL = 0,
-    LLAMA_KVMEM_METHOD_RECENCY   = 1,
+    LLAMA_KVMEM_METHOD_RETRIEVAL = 0, // the default scorer (an alias of the method chosen by measurement, see docs/eval)
+    LLAMA_KVMEM_METHOD_RECENCY   = 1, // no scoring: the newest blocks (an ablation baseline)
+    LLAMA_KVMEM_METHOD_QUEST     = 2, // min/max bound of the pre-RoPE keys of a whole block, top-4 z-scored heads
+    LLAMA_KVMEM_METHOD_MEANKEY   = 3, // KVMem: cosine of the mean pre-RoPE key and the mean query
+    LLAMA_KVMEM_METHOD_SUBPAGE   = 4, // min/max bounds of 16-token sub-pages, a block scores its best sub-page
+    LLAMA_KVMEM_METHOD_VOTES     = 5, // each (layer, KV head) votes for its top blocks by sub-page bound
+    LLAMA_KVMEM_METHOD_MASS      = 6, // softmax attention mass of the query over 16-token chunk means
+    LLAMA_KVMEM_METHOD_COUNT,
+};
+
+// what a prompt longer than the working set attends to while it is prefilled
+enum llama_kvmem_prefill_e {
+    LLAMA_KVMEM_PREFILL_WINDOW    = 0, // sink + the newest blocks (sliding window)
+    LLAMA_KVMEM_PREFILL_RETRIEVAL = 1, // before each prompt batch, also the blocks its preceding tokens' queries pick
 };
 
 struct llama_kvmem_params {
@@ -14,13 +27,13 @@ struct llama_kvmem_params {
     uint32_t block        = 128; // tokens per block
     uint32_t sink         = 128; // tokens at the start that always stay resident (rounded up to blocks)
     uint32_t recent       = 256; // newest tokens that always stay resident (rounded up to blocks)
-    uint32_t gen_reserve  = 256; // extra cells for generated tokens / the partial tail
-    uint32_t query_tokens = 32;  // last N tokens of a turn that form the query
-    uint32_t refresh      = 128; // re-select every N generated tokens (query = the recent tokens), 0 = off
+    uint32_t gen_reserve  = 256; // extra cells per sequence for the partial tail and generated tokens
+    uint32_t query_tokens = 128; // the query: at most this many tokens of the last user message (its end)
+    uint32_t refresh      = 128; // re-select every N generated tokens, 0 = only when the reserve is full
     uint32_t host_mib     = 0;   // host pool cap in MiB, 0 = enough for the whole context
     int32_t  method       = LLAMA_KVMEM_METHOD_RETRIEVAL;
+    int32_t  prefill      = LLAMA_KVMEM_PREFILL_WINDOW;
     bool     trace        = false;
 
     class llama_kvmem_cache * leader = nullptr; // MTP draft contexts: the target's tiered cache to follow
 };
-

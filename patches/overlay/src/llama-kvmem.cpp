@@ -1,4 +1,4 @@
-// KVMem: KV tiering for the attention KV cache (kvmem-llama). See llama-kvmem.h.
+// KVMem: KV tiering for the attention KV cache (kvmem-llama): residency. See llama-kvmem.h.
 
 #include "llama-kvmem.h"
 
@@ -7,120 +7,30 @@
 #include "llama-cparams.h"
 #include "llama-graph.h"
 #include "llama-model.h"
-#include "llama-context.h"
-#include "llama-io.h"
 #include "llama-memory-hybrid.h"
 #include "llama-memory-recurrent.h"
 
-#include "ggml-backend.h"
-#include "ggml-cpu.h"
-
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <limits>
-#include <set>
 #include <stdexcept>
-#include <thread>
-
-// blocks are ranked by the mean of their few best (layer, KV head) scores
-static constexpr size_t KVMEM_TOP_HEADS = 4;
 
 static uint32_t div_up(uint32_t a, uint32_t b) { return (a + b - 1)/b; }
 
-// max over n_rows query rows (contiguous, n floats each) of dot(q_r, kb).
-// Built for AVX2+FMA too on x86-64 (picked at run time).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
-static float kvmem_bound_max(const float * q0, size_t n_rows, const float * kb, size_t n) {
-    float best = -INFINITY;
-    for (size_t r = 0; r < n_rows; ++r) {
-        const float * q = q0 + r*n;
-        float acc[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
-        size_t d = 0;
-        for (; d + 8 <= n; d += 8) {
-            for (int j = 0; j < 8; ++j) {
-                acc[j] += q[d + j]*kb[d + j];
-            }
-        }
-        float sum = 0.0f;
-        for (; d < n; ++d) {
-            sum += q[d]*kb[d];
-        }
-        for (int j = 0; j < 8; ++j) {
-            sum += acc[j];
-        }
-        best = std::max(best, sum);
-    }
-    return best;
-}
+static constexpr llama_pos POS_END = std::numeric_limits<llama_pos>::max();
 
-//
-// graph hook
-//
+// query rows kept beyond the query itself: the template tokens after the last user message, and
+// the rows of speculative drafts that may still be rejected (rows are dropped by position only, so a
+// rejected draft leaves the same rows as one-token decoding would)
+static constexpr uint32_t KVMEM_ROW_SLACK = 256;
 
-// walk back from the tensor handed to the attention builder to the input of its RoPE op
-static ggml_tensor * kvmem_pre_rope(ggml_tensor * t) {
-    ggml_tensor * cur = t;
-    for (int i = 0; i < 6 && cur; ++i) {
-        if (cur->op == GGML_OP_ROPE) {
-            return cur->src[0];
-        }
-        if (cur->op == GGML_OP_SCALE || cur->op == GGML_OP_CONT || cur->op == GGML_OP_RESHAPE ||
-            cur->op == GGML_OP_VIEW  || cur->op == GGML_OP_CPY) {
-            cur = cur->src[0];
-            continue;
-        }
-        break;
-    }
-    return t; // no RoPE found (e.g. NoPE layers): the tensor itself is position-free
-}
-
-static ggml_tensor * kvmem_f32_cont(ggml_context * ctx0, ggml_tensor * t) {
-    ggml_tensor * r = t->type == GGML_TYPE_F32 ? ggml_cont(ctx0, t) : ggml_cast(ctx0, ggml_cont(ctx0, t), GGML_TYPE_F32);
-    return r;
-}
-
-void llama_kvmem_graph_capture(ggml_context * ctx0, ggml_cgraph * gf, llm_graph_result * res,
-        ggml_tensor * q_cur, ggml_tensor * k_cur, int il, uint32_t n_q) {
-    if (!res || il < 0) {
-        return;
-    }
-    ggml_tensor * k_pre = kvmem_pre_rope(k_cur);
-    ggml_tensor * q_pre = kvmem_pre_rope(q_cur);
-    if (ggml_n_dims(k_pre) > 3 || ggml_n_dims(q_pre) > 3 || k_pre->ne[0] != q_pre->ne[0]) {
-        return;
-    }
-    const int64_t n_tokens = q_pre->ne[2];
-    const int64_t nq = std::min<int64_t>(std::max<uint32_t>(n_q, 1), n_tokens);
-
-    ggml_tensor * k_out = kvmem_f32_cont(ctx0, k_pre);
-    ggml_tensor * q_tail = ggml_view_3d(ctx0, q_pre, q_pre->ne[0], q_pre->ne[1], nq,
-            q_pre->nb[1], q_pre->nb[2], (n_tokens - nq)*q_pre->nb[2]);
-    ggml_tensor * q_out = kvmem_f32_cont(ctx0, q_tail);
-
-    ggml_format_name(k_out, "kvmem_k-%d", il);
-    ggml_format_name(q_out, "kvmem_q-%d", il);
-    ggml_set_output(k_out);
-    ggml_set_output(q_out);
-    ggml_build_forward_expand(gf, k_out);
-    ggml_build_forward_expand(gf, q_out);
-
-    if ((int) res->t_kvmem_k.size() <= il) {
-        res->t_kvmem_k.resize(il + 1, nullptr);
-        res->t_kvmem_q.resize(il + 1, nullptr);
-    }
-    res->t_kvmem_k[il] = k_out;
-    res->t_kvmem_q[il] = q_out;
-}
-
-//
-// the tiered cache
-//
+// tokens kept for recomputing a turn's query span, beyond --kvmem-query-tokens
+static constexpr uint32_t KVMEM_TOKEN_SLACK = 1024;
 
 std::string llama_kvmem_cache::check(const llama_model & model, const llama_cparams & cparams, const llama_kvmem_params & kp) {
+    GGML_UNUSED(kp);
     const auto & hp = model.hparams;
     if (!cparams.flash_attn) {
         return "flash attention is off (-fa off); tiering copies per-token V rows and needs -fa on or auto";
@@ -128,7 +38,6 @@ std::string llama_kvmem_cache::check(const llama_model & model, const llama_cpar
     if (!cparams.kv_unified && cparams.n_seq_max > 1) {
         return "parallel sequences need a unified KV cache (--kv-unified)";
     }
-    // M-RoPE (qwen35): cells keep all position components (pos + ext), so staged blocks keep them too
     uint32_t n_attn = 0;
     for (uint32_t il = 0; il < hp.n_layer(); ++il) {
         if (!hp.has_kv(il) || hp.is_recr(il)) {
@@ -142,9 +51,6 @@ std::string llama_kvmem_cache::check(const llama_model & model, const llama_cpar
     }
     if (n_attn == 0) {
         return "the model has no attention layers";
-    }
-    if (cparams.n_ctx <= kp.budget) {
-        // still tiered (write-through + selection run, nothing is ever evicted): lets us test identity
     }
     return "";
 }
@@ -181,6 +87,7 @@ llama_kvmem_cache::llama_kvmem_cache(
     sink_blocks   = div_up(kp.sink, B);
     recent_blocks = div_up(kp.recent, B);
     budget_blocks = kp.budget / B;
+    n_seq_cap     = std::max<uint32_t>(1, n_seq_max);
 
     n_lt = layers.size();
     il_to_lt.assign(hp.n_layer() + hp.n_layer_nextn + 1, -1);
@@ -192,64 +99,15 @@ llama_kvmem_cache::llama_kvmem_cache(
         row_v.push_back(layers[i].v ? layers[i].v->nb[1] : 0);
         block_bytes += (size_t) B*(row_k.back() + row_v.back());
     }
-    // one backend (own stream) per device holding tiered layers: host<->device block copies are
-    // issued asynchronously and waited for once per batch of copies
-    copy_backend.assign(n_lt, nullptr);
-    for (uint32_t i = 0; i < n_lt; ++i) {
-        ggml_backend_buffer_t kbuf = layers[i].k->buffer;
-        ggml_backend_dev_t dev = kbuf ? ggml_backend_buft_get_device(ggml_backend_buffer_get_type(kbuf)) : nullptr;
-        if (!dev || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU || ggml_backend_buffer_is_host(kbuf)) {
-            continue;
-        }
-        auto it = std::find_if(copy_backends.begin(), copy_backends.end(),
-                [dev](ggml_backend_t be) { return ggml_backend_get_device(be) == dev; });
-        if (it == copy_backends.end()) {
-            ggml_backend_t be = ggml_backend_dev_init(dev, nullptr);
-            if (!be) {
-                continue;
-            }
-            copy_backends.push_back(be);
-            it = copy_backends.end() - 1;
-        }
-        copy_backend[i] = *it;
-    }
 
     const uint32_t il0 = n_lt ? layers[0].il : 0;
     n_head    = hp.n_head(il0);
     n_head_kv = hp.n_head_kv(il0);
     head_dim  = hp.n_embd_head_k(il0);
+    dims = { n_lt, n_head, n_head_kv, head_dim, B };
+    scorer = std::make_unique<kvmem_scorer>(dims, kvmem_scorer::resolve(kp.method));
 
-    // host pool: the device's host buffer type (pinned on CUDA), plain CPU memory otherwise
-    ggml_backend_buffer_type_t buft = nullptr;
-    if (n_lt && layers[0].k->buffer) {
-        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(layers[0].k->buffer));
-        if (dev) {
-            buft = ggml_backend_dev_host_buffer_type(dev);
-        }
-    }
-    if (!buft) {
-        buft = ggml_backend_cpu_buffer_type();
-    }
-
-    if (kp.host_mib > 0) {
-        host_slots = (uint32_t) (((size_t) kp.host_mib*1024*1024)/block_bytes);
-        if (host_slots == 0) {
-            throw std::runtime_error(format("--kvmem-host-mib %u is too small: one block of %u tokens needs %.2f MiB",
-                        kp.host_mib, B, block_bytes/1024.0/1024.0));
-        }
-    } else {
-        host_slots = div_up(n_ctx_total, B) + 1;
-    }
-    host_buf = ggml_backend_buft_alloc_buffer(buft, (size_t) host_slots*block_bytes);
-    if (!host_buf) {
-        throw std::runtime_error(format("kvmem: failed to allocate the host KV pool (%.1f MiB in %s); lower --kvmem-host-mib or the context",
-                    (double) host_slots*block_bytes/1024.0/1024.0, ggml_backend_buft_name(buft)));
-    }
-    host_base = (uint8_t *) ggml_backend_buffer_get_base(host_buf);
-    free_slots.reserve(host_slots);
-    for (uint32_t i = 0; i < host_slots; ++i) {
-        free_slots.push_back(host_slots - 1 - i);
-    }
+    init_pool(n_ctx_total);
 
     const double host_mib = (double) host_slots*block_bytes/1024.0/1024.0;
     if (target) {
@@ -257,12 +115,13 @@ llama_kvmem_cache::llama_kvmem_cache(
         LLAMA_LOG_WARN("kvmem_score: DRAFT follows the target's selection: blocks=%u layers=%u host_mib=%.0f\n",
                 host_slots, n_lt, std::ceil(host_mib));
     } else {
-        LLAMA_LOG_WARN("kvmem_score: ARMED blocks=%u block_tokens=%u layers=%u kv_heads=%u head_dim=%u budget_blocks=%u host_mib=%.0f\n",
-                host_slots, B, n_lt, n_head_kv, head_dim, budget_blocks, std::ceil(host_mib));
+        LLAMA_LOG_WARN("kvmem_score: ARMED blocks=%u block_tokens=%u layers=%u kv_heads=%u head_dim=%u budget_blocks=%u host_mib=%.0f method=%s prefill=%s\n",
+                host_slots, B, n_lt, n_head_kv, head_dim, budget_blocks, std::ceil(host_mib),
+                kvmem_scorer::method_name(scorer->method()), kp.prefill == LLAMA_KVMEM_PREFILL_RETRIEVAL ? "retrieval" : "window");
     }
-    LLAMA_LOG_INFO("%s: GPU working set %u cells (budget %u + gen reserve %u x %u sequences), sink %u block(s), recent %u block(s), method %s, host pool %s\n",
-            __func__, get_size(), kp.budget, kp.gen_reserve, std::max<uint32_t>(1, n_seq_max), sink_blocks, recent_blocks,
-            kp.method == LLAMA_KVMEM_METHOD_RECENCY ? "recency" : "retrieval", ggml_backend_buft_name(buft));
+    LLAMA_LOG_INFO("%s: GPU working set %u cells (budget %u + gen reserve %u x %u sequences), sink %u block(s), recent %u block(s), "
+            "query %u tokens, refresh %u\n", __func__, get_size(), kp.budget, kp.gen_reserve, n_seq_cap, sink_blocks, recent_blocks,
+            kp.query_tokens, kp.refresh);
 }
 
 llama_kvmem_cache::~llama_kvmem_cache() {
@@ -321,93 +180,6 @@ llama_memory_context_ptr llama_kvmem_cache::init_batch(llama_batch_allocr & ball
     return std::make_unique<llama_kvmem_context>(this, std::move(sinfos), std::move(ubatches));
 }
 
-void llama_kvmem_cache::copy_block(uint8_t * host, const std::vector<uint32_t> & idx, bool to_device) {
-    // host slot layout: per tiered layer the block's K rows, then its V rows; cells idx[t] hold token t.
-    // Runs of consecutive cells move in one copy per layer and K/V.
-    const uint32_t B = kp.block;
-    for (uint32_t lt = 0; lt < n_lt; ++lt) {
-        uint8_t * hk = host;
-        uint8_t * hv = host + (size_t) B*row_k[lt];
-        for (uint32_t t = 0; t < B; ) {
-            uint32_t r = 1;
-            while (t + r < B && idx[t + r] == idx[t] + r) {
-                r++;
-            }
-            for (const bool is_v : { false, true }) {
-                ggml_tensor * tensor = is_v ? layers[lt].v : layers[lt].k;
-                const size_t row = is_v ? row_v[lt] : row_k[lt];
-                if (!tensor) {
-                    continue;
-                }
-                uint8_t * h = (is_v ? hv : hk) + (size_t) t*row;
-                if (to_device) {
-                    upload(lt, tensor, h, (size_t) idx[t]*row, (size_t) r*row);
-                } else {
-                    download(lt, tensor, h, (size_t) idx[t]*row, (size_t) r*row);
-                }
-            }
-            t += r;
-        }
-        host += (size_t) B*(row_k[lt] + row_v[lt]);
-    }
-}
-
-void llama_kvmem_cache::upload(uint32_t lt, ggml_tensor * t, const void * src, size_t offset, size_t size) {
-    if (copy_backend[lt]) {
-        ggml_backend_tensor_set_async(copy_backend[lt], t, src, offset, size);
-        copies_pending = true;
-    } else {
-        ggml_backend_tensor_set(t, src, offset, size);
-    }
-}
-
-void llama_kvmem_cache::download(uint32_t lt, ggml_tensor * t, void * dst, size_t offset, size_t size) {
-    if (copy_backend[lt]) {
-        ggml_backend_tensor_get_async(copy_backend[lt], t, dst, offset, size);
-        copies_pending = true;
-    } else {
-        ggml_backend_tensor_get(t, dst, offset, size);
-    }
-}
-
-void llama_kvmem_cache::copies_wait() {
-    if (copies_pending) {
-        for (auto * be : copy_backends) {
-            ggml_backend_synchronize(be);
-        }
-        copies_pending = false;
-    }
-}
-
-bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ubatches) {
-    // every block the batch completes is written through to the host pool; when it would not fit, the
-    // batch is refused before any work (decode returns 1, as for a full KV cache, so the server frees
-    // idle slots of a shared pool and retries)
-    std::map<llama_seq_id, llama_pos> pmax;
-    for (size_t u = 0; u < n_ubatches; ++u) {
-        const llama_ubatch & ub = ubatches[u];
-        for (uint32_t i = 0; i < ub.n_tokens; ++i) {
-            const llama_seq_id s = ub.seq_id[i][0];
-            const auto it = pmax.find(s);
-            pmax[s] = it == pmax.end() ? ub.pos[i] : std::max(it->second, ub.pos[i]);
-        }
-    }
-    uint32_t need = 0;
-    for (const auto & [s, p] : pmax) {
-        const auto it = seqs.find(s);
-        const int32_t next = it == seqs.end() ? 0 : it->second.next_host;
-        const int32_t done = (p + 1)/(int32_t) kp.block;
-        need += done > next ? done - next : 0;
-    }
-    if (need <= free_slots.size()) {
-        return true;
-    }
-    set_last_error(format("KV tiering host pool is full (%u blocks of %u tokens, %.1f MiB, %zu free): this request needs %u more; "
-            "raise --kvmem-host-mib (or lower the context)", host_slots, kp.block,
-            (double) host_slots*block_bytes/1024.0/1024.0, free_slots.size(), need));
-    return false;
-}
-
 uint32_t llama_kvmem_cache::max_ubatch(uint32_t n_ubatch) const {
     const uint32_t size = get_size();
     const uint32_t keep = (sink_blocks + 1)*kp.block;
@@ -425,19 +197,671 @@ bool llama_kvmem_cache::may_stage(uint32_t n_new) const {
     return v_cells[0].get_used() + n_new > v_cells[0].size();
 }
 
-uint32_t llama_kvmem_cache::n_resident_blocks() const {
+uint32_t llama_kvmem_cache::n_resident(const seq_state & st) const {
     uint32_t n = 0;
-    for (const auto & [s, st] : seqs) {
-        for (const auto & [b, hb] : st.blocks) {
-            n += hb.resident ? 1 : 0;
-        }
+    for (const auto & [b, hb] : st.blocks) {
+        n += hb.resident ? 1 : 0;
     }
     return n;
 }
 
-uint32_t llama_kvmem_cache::n_host_blocks() const {
-    return host_slots - (uint32_t) free_slots.size();
+uint32_t llama_kvmem_cache::share_blocks(llama_seq_id seq_id) const {
+    // parallel sequences share the budget: each active one gets an equal part
+    uint32_t n_active = 1;
+    for (const auto & [s, st] : seqs) {
+        if (s != seq_id && active(st)) {
+            n_active++;
+        }
+    }
+    return std::max<uint32_t>(sink_blocks + recent_blocks + 2, budget_blocks/n_active);
 }
+
+bool llama_kvmem_cache::protected_block(const seq_state & st, int32_t b) const {
+    if ((uint32_t) b < sink_blocks) {
+        return true;
+    }
+    if (st.phase != PHASE_GEN) {
+        return false; // a prompt keeps its newest blocks by evicting oldest first
+    }
+    const int32_t B = kp.block;
+    if (st.q0 >= 0 && b >= st.q0/B && b <= (st.q1 - 1)/B) {
+        return true; // the question of the turn being answered
+    }
+    if (st.blocks.empty()) {
+        return false;
+    }
+    return b > st.blocks.rbegin()->first - (int32_t) recent_blocks;
+}
+
+void llama_kvmem_cache::evict_block(llama_seq_id seq_id, int32_t b, hblock & hb) {
+    const int32_t B = kp.block;
+    if (journal) {
+        journal->evicted.push_back({ { seq_id, b }, block_cells(seq_id, b) });
+    }
+    llama_kv_cache::seq_rm(seq_id, b*B, (b + 1)*B);
+    hb.resident = false;
+    hb.picked   = false;
+}
+
+bool llama_kvmem_cache::evict_one(llama_seq_id for_seq) {
+    // ranks, lowest evicted first: (tier, key). Tiers: 0 idle sequences' blocks, 1 own ordinary blocks,
+    // 2 own picks, 3 another active sequence's ordinary blocks beyond its share, 4 its picks beyond its share.
+    // Ordinary blocks go oldest first, picks lowest score first. Protected blocks never go.
+    // A follower (MTP draft) keeps the blocks its target has resident until last.
+    struct cand { int tier; double key; llama_seq_id s; int32_t b; };
+    bool found = false;
+    cand best = { INT_MAX, 0.0, -1, -1 };
+    for (auto & [s, st] : seqs) {
+        const bool own = s == for_seq;
+        const bool idle = !active(st);
+        bool over_share = false;
+        if (!own && !idle) {
+            over_share = n_resident(st) > share_blocks(s);
+            if (!over_share) {
+                continue;
+            }
+        }
+        for (auto & [b, hb] : st.blocks) {
+            if (!hb.resident || (uint32_t) b < sink_blocks || (!idle && protected_block(st, b))) {
+                continue;
+            }
+            int tier = idle ? 0 : (own ? 1 : 3) + (hb.picked ? 1 : 0);
+            if (leader && resident_in_leader(s, b)) {
+                tier += 10;
+            }
+            const double key = hb.picked && !idle ? (double) hb.score : (double) b;
+            const cand c = { tier, key, s, b };
+            if (!found || c.tier < best.tier || (c.tier == best.tier && c.key < best.key)) {
+                best = c;
+                found = true;
+            }
+        }
+    }
+    if (!found) {
+        return false;
+    }
+    evict_block(best.s, best.b, seqs[best.s].blocks[best.b]);
+    n_evicted++;
+    if (kp.trace) {
+        LLAMA_LOG_WARN("kvmem_trace: evict seq=%d block=%d tier=%d for_seq=%d\n", best.s, best.b, best.tier, for_seq);
+    }
+    return true;
+}
+
+llama_kv_cache::slot_info llama_kvmem_cache::place(const llama_ubatch & ubatch) const {
+    // the lowest free cells, in order: where a token lands depends only on which cells are free, not on how many
+    // tokens share its ubatch (upstream's search start depends on the ubatch size). A verification batch of k
+    // tokens so takes the cells k one-token decodes would, and attention sums over the same cell order.
+    const auto & cells = v_cells[0];
+    slot_info res = { 0, 0, { }, { } };
+    res.resize(1);
+    res.strm[0] = 0;
+    res.idxs[0].reserve(ubatch.n_tokens);
+    for (uint32_t i = 0; i < cells.size() && res.idxs[0].size() < ubatch.n_tokens; ++i) {
+        if (cells.is_empty(i)) {
+            res.idxs[0].push_back(i);
+        }
+    }
+    if (res.idxs[0].size() < ubatch.n_tokens) {
+        return { };
+    }
+    return res;
+}
+
+bool llama_kvmem_cache::prepare_ubatch(const llama_ubatch & ubatch, slot_info & sinfo) {
+    copies_wait();
+
+    // the host pool must take every block this ubatch completes (write-through); init_batch checked the
+    // whole batch already, this guards contexts whose ubatches were split elsewhere
+    if (!host_room_for(&ubatch, 1)) {
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, get_last_error().c_str());
+        return false;
+    }
+
+    // the room is made on behalf of the ubatch's sequences, the one with the most tokens first (a mixed
+    // batch holds one generated token of a slot next to a long prompt chunk of another)
+    std::map<llama_seq_id, uint32_t> count;
+    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+        count[ubatch.seq_id[i][0]]++;
+    }
+    std::vector<std::pair<uint32_t, llama_seq_id>> order;
+    for (const auto & [s, c] : count) {
+        order.push_back({ c, s });
+    }
+    std::sort(order.begin(), order.end(), std::greater<>());
+    for (;;) {
+        sinfo = place(ubatch);
+        if (!sinfo.empty()) {
+            return true;
+        }
+        bool evicted = false;
+        for (const auto & [c, s] : order) {
+            if ((evicted = evict_one(s))) {
+                break;
+            }
+        }
+        if (!evicted) {
+            const std::string msg = format("KV tiering: no room for a ubatch of %u tokens in the GPU working set of %u cells "
+                    "(raise --kvmem-budget or --kvmem-gen-reserve)", ubatch.n_tokens, get_size());
+            LLAMA_LOG_ERROR("%s: %s\n", __func__, msg.c_str());
+            set_last_error(msg);
+            return false;
+        }
+    }
+}
+
+//
+// the life of a sequence: prompt batches, the turn, generation
+//
+
+kvmem_batch_kind llama_kvmem_cache::begin_batch(llama_seq_id seq_id, uint32_t n, uint32_t n_out, bool last_out, llama_pos p0) {
+    auto & st = seqs[seq_id];
+    st.released = false;
+    kvmem_batch_kind kind = KVMEM_BATCH_GEN;
+    if (n_out == 0) {
+        kind = KVMEM_BATCH_PROMPT;
+    } else if (n_out == 1 && last_out && (n >= 2 || st.phase == PHASE_PROMPT)) {
+        kind = KVMEM_BATCH_TURN; // a prompt's end, however few tokens its last batch has
+    }
+    if (kind != KVMEM_BATCH_GEN && st.phase != PHASE_PROMPT && app_marks_prompts && !st.prompt_mark) {
+        // the application marks its prompts (llama-server does): an unmarked multi-token batch during
+        // generation is not a new prompt but e.g. a draft context catching up with the accepted tokens
+        kind = KVMEM_BATCH_GEN;
+    }
+    if (kind != KVMEM_BATCH_GEN && st.phase != PHASE_PROMPT) {
+        end_turn(st);
+        st.phase       = PHASE_PROMPT;
+        st.prompt_p0   = p0;
+        st.prompt_mark = false;
+        if (kp.prefill == LLAMA_KVMEM_PREFILL_RETRIEVAL && scorer->scores()) {
+            st.next_prefill = p0; // the first prompt batch already selects with the rows the sequence has
+        }
+    }
+    if (kind == KVMEM_BATCH_GEN && st.phase != PHASE_GEN) {
+        st.phase = PHASE_GEN; // e.g. generation resumed without a new prompt
+    }
+    return kind;
+}
+
+void llama_kvmem_cache::end_turn(seq_state & st) {
+    // picks of a finished turn are ordinary blocks now (evicted oldest first by the next prompt)
+    for (auto & [b, hb] : st.blocks) {
+        hb.picked = false;
+        hb.score  = 0.0f;
+    }
+    st.events.clear();
+    st.next_event   = -1;
+    st.next_is_room = false;
+    st.next_prefill = -1;
+    st.q0 = st.q1 = -1;
+    st.turn_q.clear();
+    st.turn_q_pos.clear();
+}
+
+void llama_kvmem_cache::remember_tokens(llama_seq_id seq_id, const std::vector<std::pair<std::array<llama_pos, 4>, llama_token>> & toks) {
+    auto & st = seqs[seq_id];
+    for (const auto & t : toks) {
+        while (!st.toks.empty() && st.toks.back().first[0] >= t.first[0]) {
+            st.toks.pop_back(); // re-decoded positions (a truncation happened)
+        }
+        st.toks.push_back(t);
+    }
+    if (st.toks.empty()) {
+        return;
+    }
+    llama_pos keep = st.toks.back().first[0] - (llama_pos) (kp.query_tokens + KVMEM_TOKEN_SLACK);
+    if (!st.snaps.empty()) {
+        keep = std::min(keep, st.snaps.front().first);
+    }
+    while (!st.toks.empty() && st.toks.front().first[0] < keep) {
+        st.toks.pop_front();
+    }
+}
+
+std::vector<std::pair<std::array<llama_pos, 4>, llama_token>> llama_kvmem_cache::tokens_from(llama_seq_id seq_id, llama_pos p0) const {
+    std::vector<std::pair<std::array<llama_pos, 4>, llama_token>> out;
+    const auto it = seqs.find(seq_id);
+    if (it == seqs.end() || it->second.toks.empty() || it->second.toks.front().first[0] > p0) {
+        return out;
+    }
+    llama_pos expect = p0;
+    for (const auto & t : it->second.toks) {
+        if (t.first[0] < p0) {
+            continue;
+        }
+        if (t.first[0] != expect) {
+            return {}; // a gap: not recomputable
+        }
+        out.push_back(t);
+        expect++;
+    }
+    return out;
+}
+
+void llama_kvmem_cache::push_snapshot(llama_seq_id seq_id, llama_pos pos, std::vector<uint8_t> && data) {
+    auto & snaps = seqs[seq_id].snaps;
+    while (!snaps.empty() && snaps.back().first >= pos) {
+        snaps.pop_back();
+    }
+    snaps.emplace_back(pos, std::move(data));
+    while (snaps.size() > 2) { // the batch the query span starts in is one of the last two prompt batches
+        snaps.pop_front();
+    }
+}
+
+const std::vector<uint8_t> * llama_kvmem_cache::snapshot_at(llama_seq_id seq_id, llama_pos pos, llama_pos * at) const {
+    const auto it = seqs.find(seq_id);
+    if (it == seqs.end()) {
+        return nullptr;
+    }
+    for (auto s = it->second.snaps.rbegin(); s != it->second.snaps.rend(); ++s) {
+        if (s->first <= pos) {
+            *at = s->first;
+            return &s->second;
+        }
+    }
+    return nullptr;
+}
+
+void llama_kvmem_cache::set_query_span(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    auto & st = seqs[seq_id];
+    app_marks_prompts = true;
+    st.prompt_mark = st.phase != PHASE_PROMPT; // a call inside a prompt (its next batch) marks nothing new
+    st.hint_p0 = p0 >= 0 && p1 > p0 ? p0 : -1;
+    st.hint_p1 = p0 >= 0 && p1 > p0 ? p1 : -1;
+}
+
+void llama_kvmem_cache::release_seq(llama_seq_id seq_id) {
+    const auto it = seqs.find(seq_id);
+    if (it != seqs.end()) {
+        it->second.released = true; // its blocks stay (a later prompt may reuse them) but others may take the cells
+        publish();
+    }
+}
+
+void llama_kvmem_cache::turn_query_span(llama_seq_id seq_id, llama_pos end, llama_pos & p0, llama_pos & p1) const {
+    const auto it = seqs.find(seq_id);
+    p0 = p1 = end;
+    if (it == seqs.end() || end <= 0) {
+        return;
+    }
+    const auto & st = it->second;
+    const llama_pos n_q = (llama_pos) kp.query_tokens;
+    if (st.hint_p0 >= 0 && st.hint_p1 <= end) {
+        // the last user message, at most its last query_tokens tokens
+        p1 = st.hint_p1;
+        p0 = std::max(st.hint_p0, p1 - n_q);
+    } else {
+        p1 = end;
+        p0 = std::max<llama_pos>(0, end - n_q);
+    }
+}
+
+llama_pos llama_kvmem_cache::event_pos(llama_seq_id seq_id) const {
+    const auto it = seqs.find(seq_id);
+    return it == seqs.end() || leader || it->second.phase != PHASE_GEN ? -1 : it->second.next_event;
+}
+
+const char * llama_kvmem_cache::event_reason(llama_seq_id seq_id) const {
+    const auto it = seqs.find(seq_id);
+    return it != seqs.end() && it->second.next_is_room ? "room" : "refresh";
+}
+
+llama_pos llama_kvmem_cache::prefill_step() const {
+    // a quarter of the budget (at most 2048 tokens), whole blocks: a prompt selects about four times per budget
+    const uint32_t B = kp.block;
+    return (llama_pos) std::max<uint32_t>(B, (std::min<uint32_t>(2048, kp.budget/4)/B)*B);
+}
+
+llama_pos llama_kvmem_cache::prefill_pos(llama_seq_id seq_id) const {
+    const auto it = seqs.find(seq_id);
+    return it == seqs.end() || leader || it->second.phase != PHASE_PROMPT ? -1 : it->second.next_prefill;
+}
+
+//
+// selection
+//
+
+void llama_kvmem_cache::query_rows(const seq_state & st, std::vector<float> & rows, uint32_t & n_rows) const {
+    const size_t per = dims.query_row();
+    rows.clear();
+    n_rows = 0;
+    auto add = [&](const std::vector<float> & r) {
+        rows.insert(rows.end(), r.begin(), r.end());
+        n_rows++;
+    };
+    if (st.phase == PHASE_PROMPT && st.q0 < 0) {
+        // inside a prompt (retrieval prefill): the newest rows of the prompt so far
+        const uint32_t want = std::min<uint32_t>(kp.query_tokens, 64);
+        auto it = st.qrow.rbegin();
+        std::vector<const std::vector<float> *> picked;
+        for (; it != st.qrow.rend() && picked.size() < want; ++it) {
+            picked.push_back(&it->second);
+        }
+        for (auto p = picked.rbegin(); p != picked.rend(); ++p) {
+            add(**p);
+        }
+        return;
+    }
+    // the question (the turn's rows), then during generation the newest generated tokens' rows
+    rows = st.turn_q;
+    n_rows = (uint32_t) (st.turn_q.size()/std::max<size_t>(per, 1));
+    if (st.phase == PHASE_GEN && st.turn_pos >= 0) {
+        const uint32_t want = std::max<uint32_t>(1, kp.query_tokens/2);
+        std::vector<const std::vector<float> *> picked;
+        for (auto it = st.qrow.rbegin(); it != st.qrow.rend() && it->first >= st.turn_pos && picked.size() < want; ++it) {
+            picked.push_back(&it->second);
+        }
+        for (auto p = picked.rbegin(); p != picked.rend(); ++p) {
+            add(**p);
+        }
+    }
+}
+
+std::set<int32_t> llama_kvmem_cache::plan_target(llama_seq_id seq_id, seq_state & st, const char * reason,
+        std::map<int32_t, float> & picks, uint32_t & n_sink, uint32_t & n_question, uint32_t & n_recent, uint32_t & n_rows) {
+    const int32_t B = kp.block;
+    const uint32_t share = std::min(budget_blocks, share_blocks(seq_id));
+    const uint32_t avail = share - 1; // one block of the share is the partial tail
+    std::set<int32_t> target;
+    n_sink = n_question = n_recent = n_rows = 0;
+
+    for (auto & [b, hb] : st.blocks) {
+        if ((uint32_t) b < sink_blocks && target.size() < avail) {
+            target.insert(b);
+            n_sink++;
+        }
+    }
+    // the question (the last user message) stays: newest blocks of it first
+    if (st.q0 >= 0) {
+        for (int32_t b = (st.q1 - 1)/B; b >= st.q0/B && target.size() < avail; --b) {
+            if (st.blocks.count(b) && target.insert(b).second) {
+                n_question++;
+            }
+        }
+    }
+    for (auto bit = st.blocks.rbegin(); bit != st.blocks.rend() && n_recent < recent_blocks && target.size() < avail; ++bit) {
+        if (target.insert(bit->first).second) {
+            n_recent++;
+        }
+    }
+
+    std::vector<std::pair<float, int32_t>> ranked;
+    if (scorer->scores()) {
+        std::vector<float> q;
+        query_rows(st, q, n_rows);
+        if (n_rows > 0) {
+            std::vector<const float *> sums;
+            std::vector<char> cand;
+            std::vector<int32_t> ids;
+            for (auto & [b, hb] : st.blocks) {
+                const auto sit = st.summ.find(b);
+                ids.push_back(b);
+                sums.push_back(sit == st.summ.end() ? nullptr : sit->second.data());
+                cand.push_back(!target.count(b) && sit != st.summ.end());
+            }
+            std::vector<float> scores;
+            scorer->score(sums, cand, q.data(), n_rows, scores);
+            for (size_t i = 0; i < ids.size(); ++i) {
+                if (cand[i]) {
+                    ranked.push_back({ scores[i], ids[i] });
+                }
+            }
+            std::stable_sort(ranked.begin(), ranked.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
+        }
+    }
+    if (ranked.empty()) {
+        // recency (or nothing to score with yet): extend the recent window
+        for (auto bit = st.blocks.rbegin(); bit != st.blocks.rend(); ++bit) {
+            if (!target.count(bit->first)) {
+                ranked.push_back({ 0.0f, bit->first });
+            }
+        }
+    }
+    // inside a prompt (retrieval prefill) the picks take at most half: the newest blocks are the other half
+    const size_t cap = std::strcmp(reason, "prefill") == 0 ? target.size() + (avail - std::min<size_t>(avail, target.size()))/2 : avail;
+    for (auto & [score, b] : ranked) {
+        if (target.size() >= cap) {
+            break;
+        }
+        target.insert(b);
+        if (scorer->scores() && n_rows > 0) {
+            picks[b] = score;
+            if (kp.trace) {
+                LLAMA_LOG_WARN("kvmem_trace: pick seq=%d block=%d score=%.4f\n", seq_id, b, score);
+            }
+        }
+    }
+    return target;
+}
+
+void llama_kvmem_cache::apply_target(llama_seq_id seq_id, seq_state & st, const std::set<int32_t> & target,
+        uint32_t & staged_in, uint32_t & staged_out, uint32_t & reused) {
+    // plan as a diff: resident blocks in the target stay, others leave, missing ones come in
+    staged_in = staged_out = reused = 0;
+    for (auto & [b, hb] : st.blocks) {
+        if (hb.resident && !target.count(b)) {
+            evict_block(seq_id, b, hb);
+            staged_out++;
+        }
+    }
+    for (auto & [b, hb] : st.blocks) {
+        if (!target.count(b)) {
+            continue;
+        }
+        if (hb.resident) {
+            reused++;
+            continue;
+        }
+        bool ok = stage_in(seq_id, b, hb);
+        while (!ok && evict_one(seq_id)) {
+            ok = stage_in(seq_id, b, hb);
+        }
+        if (!ok) {
+            LLAMA_LOG_WARN("%s: kvmem: no free cells to stage in block %d of seq %d\n", __func__, b, seq_id);
+            break;
+        }
+        staged_in++;
+    }
+}
+
+bool llama_kvmem_cache::select(llama_seq_id seq_id, const char * reason) {
+    auto it = seqs.find(seq_id);
+    if (it == seqs.end()) {
+        return false;
+    }
+    auto & st = it->second;
+    const bool is_turn = std::strcmp(reason, "turn") == 0;
+    const bool is_prefill = std::strcmp(reason, "prefill") == 0;
+    const llama_pos pos = v_cells[0].seq_pos_max(seq_id) + 1;
+    const size_t per_q = dims.query_row();
+
+    if (is_turn) {
+        // the question: the span of the last user message (its end), whose query rows form the turn's query
+        turn_query_span(seq_id, pos, st.q0, st.q1);
+        st.turn_q.clear();
+        st.turn_q_pos.clear();
+        for (auto r = st.qrow.lower_bound(st.q0); r != st.qrow.end() && r->first < st.q1; ++r) {
+            if (r->second.size() == per_q) {
+                st.turn_q.insert(st.turn_q.end(), r->second.begin(), r->second.end());
+                st.turn_q_pos.push_back(r->first);
+            }
+        }
+        st.turn_pos = pos;
+        st.phase    = PHASE_GEN;
+        st.hint_p0  = st.hint_p1 = -1; // a hint is for one prompt
+        st.events.clear();
+    }
+    if (st.blocks.empty()) {
+        if (is_turn) {
+            schedule_event(seq_id, st, pos);
+        }
+        return false;
+    }
+    const int64_t t_start = ggml_time_us();
+
+    gen_event ev;
+    const bool undoable = !is_turn && !is_prefill;
+    if (undoable) {
+        ev.pos = pos;
+        ev.room = std::strcmp(reason, "room") == 0;
+        ev.stage_hint = stage_hint;
+        for (const auto & [b, hb] : st.blocks) {
+            if (hb.picked) {
+                ev.picks_before[b] = hb.score;
+            }
+        }
+        journal = &ev;
+    }
+
+    std::map<int32_t, float> picks;
+    uint32_t n_sink = 0, n_question = 0, n_recent = 0, n_rows = 0;
+    const std::set<int32_t> target = plan_target(seq_id, st, reason, picks, n_sink, n_question, n_recent, n_rows);
+
+    const int64_t t_stage = ggml_time_us();
+    uint32_t staged_in = 0, staged_out = 0, reused = 0;
+    apply_target(seq_id, st, target, staged_in, staged_out, reused);
+    journal = nullptr;
+    for (auto & [b, hb] : st.blocks) {
+        const auto p = picks.find(b);
+        hb.picked = p != picks.end() && hb.resident;
+        hb.score  = hb.picked ? p->second : 0.0f;
+    }
+    copies_wait();
+    const double stage_ms = (ggml_time_us() - t_stage)/1000.0;
+
+    for (auto * f : followers) {
+        f->follow_leader();
+    }
+
+    if (undoable) {
+        st.events.push_back(std::move(ev));
+    }
+    if (is_prefill) {
+        st.next_prefill = pos + prefill_step();
+    } else {
+        schedule_event(seq_id, st, pos);
+    }
+
+    const double ms = (ggml_time_us() - t_start)/1000.0;
+    st.n_select++;
+    st.last_ms = ms;
+    n_selections++;
+    n_staged_in  += staged_in;
+    n_staged_out += staged_out;
+    last_select_ms = ms;
+
+    const int32_t n_blocks = st.blocks.rbegin()->first + 1;
+    LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%zu staged_in=%u "
+            "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s\n",
+            seq_id, n_blocks, budget_blocks, std::min(budget_blocks, share_blocks(seq_id)), n_sink, n_recent, picks.size(), staged_in,
+            staged_out, reused, n_rows, ms, stage_ms, (double) staged_in*block_bytes/1024.0/1024.0, reason, pos, n_question,
+            kvmem_scorer::method_name(scorer->method()));
+    if (kp.trace) {
+        trace_resident(seq_id, st, pos, reason);
+    }
+    publish();
+
+    return staged_in > 0;
+}
+
+void llama_kvmem_cache::schedule_event(llama_seq_id seq_id, seq_state & st, llama_pos pos) {
+    // the next re-selection during generation: every --kvmem-refresh tokens, or earlier when the
+    // sequence's cells (its share of the budget + the reserve) would run out. A position, not a
+    // count of decodes: speculative batches are split there (see llama-kvmem-decode.cpp)
+    const int32_t B = kp.block;
+    const uint32_t share = std::min(budget_blocks, share_blocks(seq_id));
+    const int64_t allowance = (int64_t) share*B + kp.gen_reserve;
+    const int64_t used = (int64_t) n_resident(st)*B + pos % B;
+    const int64_t room = std::max<int64_t>(1, allowance - used); // the cells left before the sequence's part is full
+    const int64_t every = kp.refresh > 0 ? (int64_t) kp.refresh : std::numeric_limits<int32_t>::max();
+    st.next_is_room = room < every;
+    st.next_event = (llama_pos) std::min<int64_t>(pos + std::min(every, room), POS_END - 1);
+}
+
+void llama_kvmem_cache::undo_events(llama_seq_id seq_id, seq_state & st, llama_pos p0) {
+    // a truncation below a re-selection's position (a rejected speculative draft): one-token decoding
+    // would not have re-selected yet, so the working set goes back to what it was before, cell for cell
+    bool undone = false;
+    while (!st.events.empty() && st.events.back().pos >= p0) {
+        gen_event ev = std::move(st.events.back());
+        st.events.pop_back();
+        uint32_t back_in = 0, back_out = 0;
+        for (auto it = ev.staged.rbegin(); it != ev.staged.rend(); ++it) {
+            auto & blocks = seqs[it->first].blocks;
+            const auto bit = blocks.find(it->second);
+            if (bit != blocks.end() && bit->second.resident) {
+                evict_block(it->first, it->second, bit->second);
+                back_out++;
+            }
+        }
+        for (auto it = ev.evicted.rbegin(); it != ev.evicted.rend(); ++it) {
+            const auto [s, b] = it->first;
+            auto & blocks = seqs[s].blocks;
+            const auto bit = blocks.find(b);
+            if (bit == blocks.end() || bit->second.resident) {
+                continue; // dropped by the truncation itself, or already back
+            }
+            if (!stage_in_at(s, b, bit->second, it->second) && !stage_in(s, b, bit->second)) {
+                LLAMA_LOG_WARN("%s: kvmem: could not put block %d of seq %d back\n", __func__, b, s);
+                continue;
+            }
+            back_in++;
+        }
+        for (auto & [b, hb] : st.blocks) {
+            const auto p = ev.picks_before.find(b);
+            hb.picked = p != ev.picks_before.end() && hb.resident;
+            hb.score  = hb.picked ? p->second : 0.0f;
+        }
+        stage_hint      = ev.stage_hint;
+        st.next_event   = ev.pos;
+        st.next_is_room = ev.room;
+        n_staged_in  += back_in;
+        n_staged_out += back_out;
+        undone = true;
+        if (kp.trace) {
+            LLAMA_LOG_WARN("kvmem_trace: undo seq=%d pos=%d staged_in=%u staged_out=%u\n", seq_id, ev.pos, back_in, back_out);
+        }
+    }
+    if (undone) {
+        copies_wait();
+        for (auto * f : followers) {
+            f->follow_leader();
+        }
+    }
+}
+
+void llama_kvmem_cache::trace_resident(llama_seq_id seq_id, const seq_state & st, llama_pos pos, const char * reason) const {
+    std::string ranges;
+    int32_t start = -1, prev = -1;
+    auto flush = [&]() {
+        if (start < 0) {
+            return;
+        }
+        if (!ranges.empty()) {
+            ranges += ",";
+        }
+        ranges += start == prev ? std::to_string(start) : std::to_string(start) + "-" + std::to_string(prev);
+    };
+    for (const auto & [b, hb] : st.blocks) {
+        if (!hb.resident) {
+            continue;
+        }
+        if (start >= 0 && b == prev + 1) {
+            prev = b;
+            continue;
+        }
+        flush();
+        start = prev = b;
+    }
+    flush();
+    // layers= tells the caches of a target and its draft model apart in one log
+    LLAMA_LOG_WARN("kvmem_trace: resident seq=%d pos=%d reason=%s layers=%u blocks=%s\n", seq_id, pos, reason, n_lt, ranges.c_str());
+}
+
+//
+// memory operations
+//
 
 void llama_kvmem_cache::drop_host_blocks(llama_seq_id seq_id, int32_t b0) {
     auto it = seqs.find(seq_id);
@@ -474,7 +898,7 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
         p0 = 0;
     }
     if (p1 < 0) {
-        p1 = std::numeric_limits<llama_pos>::max();
+        p1 = POS_END;
     }
     const int32_t B = kp.block;
 
@@ -483,16 +907,11 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
         for (auto & [s, st] : seqs) {
             ids.push_back(s);
         }
-        bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1);
+        bool ok = true;
         for (auto s : ids) {
-            if (p0 == 0 && p1 == std::numeric_limits<llama_pos>::max()) {
-                drop_host_blocks(s, 0);
-                seqs.erase(s);
-            } else {
-                drop_host_blocks(s, p0/B);
-            }
+            ok = seq_rm_impl(s, p0, p1) && ok;
         }
-        return ok;
+        return llama_kv_cache::seq_rm(seq_id, p0, p1) && ok;
     }
 
     auto it = seqs.find(seq_id);
@@ -501,14 +920,14 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
     }
     auto & st = it->second;
 
-    if (p0 == 0 && p1 == std::numeric_limits<llama_pos>::max()) {
+    if (p0 == 0 && p1 == POS_END) {
         const bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1);
         drop_host_blocks(seq_id, 0);
         seqs.erase(it);
         return ok;
     }
 
-    if (p1 != std::numeric_limits<llama_pos>::max()) {
+    if (p1 != POS_END) {
         // a hole in the middle (not produced by the server with shifting off): drop the touched host blocks
         const bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1);
         forget_from(st, p0, p1);
@@ -522,8 +941,16 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
         return ok;
     }
 
-    // truncation [p0, inf): the last kept position p0-1 must be in the working set, so that the
-    // next batch (starting at p0) is consistent with seq_pos_max
+    // truncation [p0, inf): re-selections at or after p0 are undone (a rejected draft), then the last kept
+    // position p0-1 must be in the working set, so that the next batch (starting at p0) is consistent
+    // with seq_pos_max
+    if (!in_redecode) {
+        undo_events(seq_id, st, p0);
+        if (st.turn_pos >= 0 && p0 < st.turn_pos) {
+            st.turn_pos = -1; // the prompt itself is cut: what follows is a new prompt
+            st.phase = PHASE_IDLE;
+        }
+    }
     if (p0 > 0) {
         const int32_t bl = (p0 - 1)/B;
         auto bit = st.blocks.find(bl);
@@ -540,8 +967,19 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
     }
     const bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1);
     drop_host_blocks(seq_id, p0/B);
-    // the cut block's box is rebuilt from the kept key rows when the block completes again
-    forget_from(st, p0, std::numeric_limits<llama_pos>::max());
+    if (in_redecode) {
+        // a turn's query span is recomputed: the same tokens come back, summaries are rebuilt where they can be
+        forget_from(st, p0, POS_END, /*keep_summaries*/ true);
+        return ok;
+    }
+    // the cut block's summary is rebuilt from the kept key rows when the block completes again
+    forget_from(st, p0, POS_END);
+    while (!st.toks.empty() && st.toks.back().first[0] >= p0) {
+        st.toks.pop_back();
+    }
+    while (!st.snaps.empty() && st.snaps.back().first > p0) {
+        st.snaps.pop_back();
+    }
     return ok;
 }
 
@@ -578,152 +1016,40 @@ void llama_kvmem_cache::state_read(llama_io_read_i & io, llama_seq_id seq_id, ll
     publish();
 }
 
-void llama_kvmem_cache::evict_block(llama_seq_id seq_id, int32_t b, hblock & hb) {
+void llama_kvmem_cache::forget_from(seq_state & st, llama_pos p0, llama_pos p1, bool keep_summaries) {
     const int32_t B = kp.block;
-    llama_kv_cache::seq_rm(seq_id, b*B, (b + 1)*B);
-    hb.resident = false;
-    hb.pinned   = false;
-}
-
-bool llama_kvmem_cache::evict_one(llama_seq_id prefer_seq) {
-    GGML_UNUSED(prefer_seq);
-    llama_seq_id best_s = -1;
-    int32_t best_b = -1;
-    bool best_pinned = true;
-    for (auto & [s, st] : seqs) {
-        for (auto & [b, hb] : st.blocks) {
-            if (!hb.resident || (uint32_t) b < sink_blocks) {
-                continue;
-            }
-            // unpinned before pinned, oldest first (a follower counts the target's resident blocks as pinned)
-            const bool pinned = hb.pinned || (leader && resident_in_leader(s, b));
-            if (best_b < 0 || (!pinned && best_pinned) || (pinned == best_pinned && b < best_b)) {
-                best_s = s;
-                best_b = b;
-                best_pinned = pinned;
-            }
-        }
-    }
-    if (best_b < 0) {
-        return false;
-    }
-    evict_block(best_s, best_b, seqs[best_s].blocks[best_b]);
-    n_evicted++;
-    if (kp.trace) {
-        LLAMA_LOG_INFO("kvmem_trace: evict seq=%d block=%d pinned=%d\n", best_s, best_b, best_pinned ? 1 : 0);
-    }
-    return true;
-}
-
-bool llama_kvmem_cache::prepare_ubatch(const llama_ubatch & ubatch, slot_info & sinfo) {
-    copies_wait();
-
-    // the host pool must take every block this ubatch completes (write-through); init_batch checked the
-    // whole batch already, this guards contexts whose ubatches were split elsewhere
-    if (!host_room_for(&ubatch, 1)) {
-        LLAMA_LOG_ERROR("%s: %s\n", __func__, get_last_error().c_str());
-        return false;
-    }
-
-    for (;;) {
-        sinfo = find_slot(ubatch, false);
-        if (!sinfo.empty()) {
-            return true;
-        }
-        if (!evict_one(ubatch.seq_id[0][0])) {
-            const std::string msg = format("KV tiering: no room for a ubatch of %u tokens in the GPU working set of %u cells "
-                    "(raise --kvmem-budget or --kvmem-gen-reserve)", ubatch.n_tokens, get_size());
-            LLAMA_LOG_ERROR("%s: %s\n", __func__, msg.c_str());
-            set_last_error(msg);
-            return false;
-        }
-    }
-}
-
-void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
-    const int32_t B = kp.block;
-    auto & cells = v_cells[0];
-    const llama_pos pmax = cells.seq_pos_max(seq_id);
-    if (pmax < 0) {
+    st.krow.erase(st.krow.lower_bound(p0), st.krow.lower_bound(p1));
+    st.qrow.erase(st.qrow.lower_bound(p0), st.qrow.lower_bound(p1));
+    if (keep_summaries) {
         return;
     }
-    auto & st = seqs[seq_id];
-    const int32_t done = (pmax + 1)/B;
-    const auto & sp = cells.seq_pos_get(seq_id);
-
-    std::vector<uint32_t> idx;
-    for (int32_t b = st.next_host; b < done; ++b) {
-        if (st.blocks.count(b)) {
-            continue;
-        }
-        idx.clear();
-        for (auto it = sp.lower_bound({ b*B, 0 }); it != sp.end() && it->first < (b + 1)*B; ++it) {
-            idx.push_back(it->second);
-        }
-        if ((int32_t) idx.size() != B) {
-            continue; // not a whole block in the working set (e.g. after a restore): stays GPU-only
-        }
-        if (free_slots.empty()) {
-            if (!host_full_logged) {
-                LLAMA_LOG_ERROR("%s: kvmem host pool is full; raise --kvmem-host-mib\n", __func__);
-                host_full_logged = true;
-            }
-            break;
-        }
-        hblock hb;
-        hb.slot = free_slots.back();
-        free_slots.pop_back();
-        hb.resident = true;
-        hb.ext.resize(B);
-        for (int32_t t = 0; t < B; ++t) {
-            hb.ext[t] = cells.ext_get(idx[t]);
-        }
-        copy_block(slot_ptr(hb.slot), idx, /*to_device*/ false);
-        st.blocks.emplace(b, std::move(hb));
-    }
-    copies_wait();
-    st.next_host = std::max(st.next_host, done);
+    const int32_t b1 = p1 == POS_END ? std::numeric_limits<int32_t>::max() : (p1 - 1)/B + 1;
+    st.summ.erase(st.summ.lower_bound(p0/B), st.summ.lower_bound(b1));
 }
 
-bool llama_kvmem_cache::stage_in(llama_seq_id seq_id, int32_t b, hblock & hb) {
+//
+// after a ubatch: summaries, query rows, write-through
+//
+
+void llama_kvmem_cache::build_summary(seq_state & st, int32_t b,
+        const std::function<const float * (llama_pos, uint32_t)> & key_row) {
+    // key_row(pos, lt): the layer lt part of the key row of position pos (nullptr when not captured)
     const int32_t B = kp.block;
-    auto & cells = v_cells[0];
-
-    // prefer B contiguous free cells (one copy per layer for K and for V), searched from where the
-    // last stage-in ended so that a selection staging many blocks scans the cells about once
-    std::vector<uint32_t> idx;
-    idx.reserve(B);
-    const uint32_t n_cells = cells.size();
-    uint32_t run = 0;
-    for (uint32_t k = 0; k < n_cells && run < (uint32_t) B; ++k) {
-        const uint32_t i = (stage_hint + k) % n_cells;
-        run = cells.is_empty(i) ? (i == 0 ? 1 : run + 1) : 0; // runs do not wrap around
-        if (run == (uint32_t) B) {
-            for (uint32_t j = 0; j < (uint32_t) B; ++j) {
-                idx.push_back(i + 1 - B + j);
-            }
+    const size_t per = (size_t) n_head_kv*head_dim;
+    for (llama_pos pos = b*B; pos < (b + 1)*B; ++pos) {
+        if (!key_row(pos, 0)) {
+            return; // not complete (yet)
         }
     }
-    if (idx.empty()) {
-        for (uint32_t i = 0; i < n_cells && (int32_t) idx.size() < B; ++i) {
-            if (cells.is_empty(i)) {
-                idx.push_back(i);
-            }
-        }
-    }
-    if ((int32_t) idx.size() < B) {
-        return false;
-    }
-    stage_hint = (idx.back() + 1) % n_cells;
-
-    copy_block(slot_ptr(hb.slot), idx, /*to_device*/ true);
+    std::vector<float> rows((size_t) B*dims.key_row());
     for (int32_t t = 0; t < B; ++t) {
-        cells.pos_set(idx[t], b*B + t);
-        cells.ext_set(idx[t], hb.ext[t]);
-        cells.seq_add(idx[t], seq_id);
+        for (uint32_t lt = 0; lt < n_lt; ++lt) {
+            std::memcpy(rows.data() + ((size_t) t*n_lt + lt)*per, key_row(b*B + t, lt), per*sizeof(float));
+        }
     }
-    hb.resident = true;
-    return true;
+    auto & out = st.summ[b];
+    out.resize(scorer->summary_size());
+    scorer->summarize([&](uint32_t t) { return rows.data() + (size_t) t*dims.key_row(); }, out.data());
 }
 
 void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph_result * res, const llama_ubatch & ubatch) {
@@ -736,13 +1062,12 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
     const int32_t  B  = kp.block;
     const size_t per_k = (size_t) n_head_kv*head_dim;
     const size_t per_q = (size_t) n_head*head_dim;
+    const bool want = !leader && scorer->scores();
 
-    std::vector<float> buf;
-
-    // pre-RoPE keys of the ubatch ([layer][token][kv head][head_dim], a scratch reused across ubatches):
-    // the box (element-wise min/max) of every block this ubatch completed is built from them, and only the
-    // rows of each sequence's two newest blocks are kept (to rebuild a box after a truncation)
-    if (!leader) {
+    // key rows of the ubatch ([layer][token][kv head][head_dim], a scratch reused across ubatches): the summary
+    // of every block this ubatch completed is built from them, and only the rows of each sequence's two
+    // newest blocks are kept (to rebuild a summary after a truncation)
+    if (want && scorer->summary_size() > 0) {
         kscratch.resize((size_t) n_lt*nt*per_k);
         for (uint32_t lt = 0; lt < n_lt; ++lt) {
             const uint32_t il = layers[lt].il;
@@ -767,7 +1092,7 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
                 return kr == st.krow.end() ? nullptr : kr->second.data() + (size_t) lt*per_k;
             };
             for (int32_t blk = toks.begin()->first/B; blk <= toks.rbegin()->first/B; ++blk) {
-                build_box(st, blk, key_row);
+                build_summary(st, blk, key_row);
             }
             st.krow.erase(st.krow.begin(), st.krow.lower_bound(keep_from));
             for (auto it = toks.lower_bound(keep_from); it != toks.end(); ++it) {
@@ -782,12 +1107,13 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
         }
     }
 
-    // query rows: the last tokens of this ubatch
-    if (kp.method == LLAMA_KVMEM_METHOD_RETRIEVAL && n_lt > 0 && !leader) {
+    // query rows: the last tokens of this ubatch, kept by position
+    if (want && n_lt > 0) {
         const uint32_t il0 = layers[0].il;
         ggml_tensor * t0 = il0 < res->t_kvmem_q.size() ? res->t_kvmem_q[il0] : nullptr;
-        if (t0 && (size_t) (t0->ne[0]*t0->ne[1]) == per_q) {
+        if (t0 && (size_t) (t0->ne[0]*t0->ne[1]) == per_q && (uint32_t) t0->ne[2] <= nt) {
             const uint32_t nq = t0->ne[2];
+            std::vector<float> buf;
             std::vector<std::vector<float>> rows(nq, std::vector<float>((size_t) n_lt*per_q, 0.0f));
             for (uint32_t lt = 0; lt < n_lt; ++lt) {
                 const uint32_t il = layers[lt].il;
@@ -801,13 +1127,17 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
                     std::memcpy(rows[j].data() + lt*per_q, buf.data() + j*per_q, per_q*sizeof(float));
                 }
             }
-            for (uint32_t j = 0; j < nq && nq <= nt; ++j) {
+            std::set<llama_seq_id> touched;
+            for (uint32_t j = 0; j < nq; ++j) {
                 const uint32_t i = nt - nq + j;
-                auto & q = seqs[ubatch.seq_id[i][0]].q;
-                q.emplace_back(ubatch.pos[i], std::move(rows[j]));
-                while (q.size() > std::max<uint32_t>(kp.query_tokens, 1)) {
-                    q.pop_front();
-                }
+                auto & st = seqs[ubatch.seq_id[i][0]];
+                st.qrow[ubatch.pos[i]] = std::move(rows[j]);
+                touched.insert(ubatch.seq_id[i][0]);
+            }
+            for (const auto s : touched) {
+                auto & q = seqs[s].qrow;
+                const llama_pos keep = q.rbegin()->first - (llama_pos) (kp.query_tokens + KVMEM_ROW_SLACK);
+                q.erase(q.begin(), q.lower_bound(keep));
             }
         }
     }
@@ -819,227 +1149,9 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
     publish();
 }
 
-bool llama_kvmem_cache::select(llama_seq_id seq_id) {
-    auto it = seqs.find(seq_id);
-    if (it == seqs.end() || it->second.blocks.empty()) {
-        return false;
-    }
-    const int64_t t_start = ggml_time_us();
-    auto & st = it->second;
-    const uint32_t group = n_head/n_head_kv;
-
-    const int32_t n_blocks = st.blocks.rbegin()->first + 1;
-    // one block of the budget is kept for the partial tail
-    // parallel sequences share the budget: each active one (holding resident blocks) gets an equal part
-    uint32_t n_active = 1;
-    for (const auto & [s2, st2] : seqs) {
-        if (s2 == seq_id) {
-            continue;
-        }
-        for (const auto & [b, hb] : st2.blocks) {
-            if (hb.resident) {
-                n_active++;
-                break;
-            }
-        }
-    }
-    const uint32_t share = std::max<uint32_t>(sink_blocks + recent_blocks + 2, budget_blocks/n_active);
-    const uint32_t avail = std::min(budget_blocks, share) - 1;
-
-    std::set<int32_t> target;
-    uint32_t n_sink = 0, n_recent = 0, n_scored = 0;
-    for (auto & [b, hb] : st.blocks) {
-        if ((uint32_t) b < sink_blocks && target.size() < avail) {
-            target.insert(b);
-            n_sink++;
-        }
-    }
-    for (auto bit = st.blocks.rbegin(); bit != st.blocks.rend() && n_recent < recent_blocks && target.size() < avail; ++bit) {
-        if (target.insert(bit->first).second) {
-            n_recent++;
-        }
-    }
-
-    std::vector<std::pair<float, int32_t>> ranked;
-    uint32_t query_tokens = 0;
-    if (kp.method == LLAMA_KVMEM_METHOD_RETRIEVAL && !st.q.empty()) {
-        // Quest-style upper bound: per block/layer/KV head the element-wise min and max of the pre-RoPE keys
-        // bound q.k for any key of the block by sum_d max(q_d*kmin_d, q_d*kmax_d). Each query token and query
-        // head of the group is scored on its own (unit-normalized) and the max is kept, so one sharp query
-        // token is enough; heads differ in scale, so scores are z-normalized per (layer, head) across the
-        // candidates, and the block's score is the mean of its top few heads: retrieval is carried by few heads.
-        // q.k <= sum_d max(q_d*kmin_d, q_d*kmax_d) = [q+ | q-] . [kmax | kmin]: one dot product of 2*head_dim
-        // per (query row, query head, block, layer, KV head). Work is split by (layer, KV head): a thread
-        // builds that pair's query set ([rows x group][2*head_dim], a few hundred KB that stays in cache)
-        // and streams every candidate's box row past it, so each box is read once and the queries never
-        // leave the core's cache (query-major order re-read the whole query set per block: memory-bound).
-        query_tokens = st.q.size();
-        const size_t hd2 = 2*(size_t) head_dim;
-        const size_t per_q = (size_t) n_head*head_dim;
-        std::vector<const float *> qrows;
-        for (const auto & row : st.q) {
-            qrows.push_back(row.second.data());
-        }
-        const size_t n_lh = (size_t) n_lt*n_head_kv;
-        std::vector<int32_t> cand;
-        std::vector<const float *> cand_kb;
-        for (auto & [b, hb] : st.blocks) {
-            const auto kit = st.kbox.find(b);
-            if (target.count(b) || kit == st.kbox.end()) {
-                continue;
-            }
-            cand.push_back(b);
-            cand_kb.push_back(kit->second.data());
-        }
-        std::vector<float> cs(cand.size()*n_lh); // [cand][n_lh]
-        auto score_pair = [&](size_t p, std::vector<float> & qs) {
-            const uint32_t lt = p / n_head_kv, hk = p % n_head_kv;
-            const size_t n_rows = qrows.size()*group;
-            qs.resize(n_rows*hd2);
-            for (size_t r = 0; r < qrows.size(); ++r) {
-                for (uint32_t g = 0; g < group; ++g) {
-                    const float * q = qrows[r] + lt*per_q + ((size_t) hk*group + g)*head_dim;
-                    double n2 = 0.0;
-                    for (uint32_t d = 0; d < head_dim; ++d) {
-                        n2 += (double) q[d]*q[d];
-                    }
-                    const float inv = n2 > 0.0 ? (float) (1.0/std::sqrt(n2)) : 0.0f;
-                    float * out = qs.data() + (r*group + g)*hd2;
-                    for (uint32_t d = 0; d < head_dim; ++d) {
-                        out[d]            = std::max(q[d]*inv, 0.0f);
-                        out[head_dim + d] = std::min(q[d]*inv, 0.0f);
-                    }
-                }
-            }
-            for (size_t c = 0; c < cand.size(); ++c) {
-                cs[c*n_lh + p] = kvmem_bound_max(qs.data(), n_rows, cand_kb[c] + p*hd2, hd2);
-            }
-        };
-        const double work = (double) cand.size()*n_lh*query_tokens*group*hd2;
-        const size_t n_threads = std::max<size_t>(1, std::min<size_t>({ (size_t) std::thread::hardware_concurrency(), 16,
-                    (size_t) (work/16e6) + 1, n_lh }));
-        auto worker = [&](size_t t) {
-            std::vector<float> qs;
-            for (size_t p = t; p < n_lh; p += n_threads) {
-                score_pair(p, qs);
-            }
-        };
-        if (n_threads <= 1) {
-            worker(0);
-        } else {
-            std::vector<std::thread> pool;
-            for (size_t t = 1; t < n_threads; ++t) {
-                pool.emplace_back(worker, t);
-            }
-            worker(0);
-            for (auto & th : pool) {
-                th.join();
-            }
-        }
-        const size_t nc = cand.size();
-        std::vector<float> zs(nc*n_lh, 0.0f);
-        for (size_t j = 0; j < n_lh && nc > 1; ++j) {
-            double m = 0.0, v = 0.0;
-            for (size_t c = 0; c < nc; ++c) {
-                m += cs[c*n_lh + j];
-            }
-            m /= nc;
-            for (size_t c = 0; c < nc; ++c) {
-                const double x = cs[c*n_lh + j] - m;
-                v += x*x;
-            }
-            const double sd = std::sqrt(v/nc) + 1e-6;
-            for (size_t c = 0; c < nc; ++c) {
-                zs[c*n_lh + j] = (float) ((cs[c*n_lh + j] - m)/sd);
-            }
-        }
-        const size_t top = std::max<size_t>(1, std::min<size_t>(KVMEM_TOP_HEADS, n_lh));
-        for (size_t c = 0; c < nc; ++c) {
-            float * zc = zs.data() + c*n_lh;
-            std::partial_sort(zc, zc + top, zc + n_lh, std::greater<float>());
-            double sc = 0.0;
-            for (size_t j = 0; j < top; ++j) {
-                sc += zc[j];
-            }
-            ranked.push_back({ (float) (sc/(double) top), cand[c] });
-        }
-        std::sort(ranked.begin(), ranked.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
-    } else {
-        // recency: extend the recent window
-        for (auto bit = st.blocks.rbegin(); bit != st.blocks.rend(); ++bit) {
-            if (!target.count(bit->first)) {
-                ranked.push_back({ 0.0f, bit->first });
-            }
-        }
-    }
-    std::set<int32_t> picked;
-    for (auto & [score, b] : ranked) {
-        if (target.size() >= avail) {
-            break;
-        }
-        target.insert(b);
-        picked.insert(b);
-        if (kp.method == LLAMA_KVMEM_METHOD_RETRIEVAL) {
-            n_scored++;
-        }
-        if (kp.trace) {
-            LLAMA_LOG_INFO("kvmem_trace: pick seq=%d block=%d score=%.4f\n", seq_id, b, score);
-        }
-    }
-
-    // plan as a diff: resident blocks in the target stay, others leave, missing ones come in
-    const int64_t t_stage = ggml_time_us();
-    uint32_t staged_in = 0, staged_out = 0, reused = 0;
-    for (auto & [b, hb] : st.blocks) {
-        if (hb.resident && !target.count(b)) {
-            evict_block(seq_id, b, hb);
-            staged_out++;
-        }
-    }
-    for (auto & [b, hb] : st.blocks) {
-        if (!target.count(b)) {
-            continue;
-        }
-        hb.pinned = picked.count(b) > 0;
-        if (hb.resident) {
-            reused++;
-            continue;
-        }
-        bool ok = stage_in(seq_id, b, hb);
-        while (!ok && evict_one(seq_id)) {
-            ok = stage_in(seq_id, b, hb);
-        }
-        if (!ok) {
-            LLAMA_LOG_WARN("%s: kvmem: no free cells to stage in block %d of seq %d\n", __func__, b, seq_id);
-            break;
-        }
-        hb.pinned = picked.count(b) > 0;
-        staged_in++;
-    }
-
-    copies_wait();
-    const double stage_ms = (ggml_time_us() - t_stage)/1000.0;
-
-    for (auto * f : followers) {
-        f->follow_leader();
-    }
-
-    const double ms = (ggml_time_us() - t_start)/1000.0;
-    st.refresh_at = kp.refresh > 0 ? v_cells[0].seq_pos_max(seq_id) + 1 + (llama_pos) kp.refresh : -1;
-    st.n_select++;
-    st.last_ms = ms;
-    n_selections++;
-    n_staged_in  += staged_in;
-    n_staged_out += staged_out;
-    last_select_ms = ms;
-
-    LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%u staged_in=%u staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f\n",
-            seq_id, n_blocks, budget_blocks, avail + 1, n_sink, n_recent, n_scored, staged_in, staged_out, reused, query_tokens, ms,
-            stage_ms, (double) staged_in*block_bytes/1024.0/1024.0);
-    publish();
-
-    return staged_in > 0;
-}
+//
+// MTP draft caches follow the target
+//
 
 void llama_kvmem_cache::set_leader(llama_kvmem_cache * target) {
     leader = target;
@@ -1082,7 +1194,7 @@ void llama_kvmem_cache::follow_leader() {
             uint32_t target_resident = 0;
             const auto it = leader->seqs.find(s);
             for (const auto & [b, hb] : it == leader->seqs.end() ? std::map<int32_t, hblock>() : it->second.blocks) {
-                target_resident += hb.resident && b <= st.blocks.rbegin()->first ? 1 : 0;
+                target_resident += hb.resident && !st.blocks.empty() && b <= st.blocks.rbegin()->first ? 1 : 0;
             }
             n_staged_in  += staged_in;
             n_staged_out += staged_out;
@@ -1093,51 +1205,9 @@ void llama_kvmem_cache::follow_leader() {
     publish();
 }
 
-llama_pos llama_kvmem_cache::refresh_pos(llama_seq_id seq_id) const {
-    const auto it = seqs.find(seq_id);
-    return it == seqs.end() || leader ? -1 : it->second.refresh_at;
-}
-
-void llama_kvmem_cache::forget_from(seq_state & st, llama_pos p0, llama_pos p1) {
-    const int32_t B = kp.block;
-    st.krow.erase(st.krow.lower_bound(p0), st.krow.lower_bound(p1));
-    const int32_t b1 = p1 == std::numeric_limits<llama_pos>::max() ? std::numeric_limits<int32_t>::max() : (p1 - 1)/B + 1;
-    st.kbox.erase(st.kbox.lower_bound(p0/B), st.kbox.lower_bound(b1));
-    for (auto it = st.q.begin(); it != st.q.end(); ) {
-        it = it->first >= p0 && it->first < p1 ? st.q.erase(it) : it + 1;
-    }
-}
-
-void llama_kvmem_cache::build_box(seq_state & st, int32_t b,
-        const std::function<const float * (llama_pos, uint32_t)> & key_row) {
-    const int32_t B = kp.block;
-    for (llama_pos pos = b*B; pos < (b + 1)*B; ++pos) {
-        if (!key_row(pos, 0)) {
-            return; // not complete (yet)
-        }
-    }
-    // layout [layer][kv head][max | min][head_dim]: one contiguous row per (layer, head)
-    auto & kb = st.kbox[b];
-    kb.resize((size_t) n_lt*n_head_kv*2*head_dim);
-    for (size_t o = 0; o < kb.size(); o += 2*head_dim) {
-        std::fill(kb.begin() + o,            kb.begin() + o + head_dim,   -INFINITY);
-        std::fill(kb.begin() + o + head_dim, kb.begin() + o + 2*head_dim, INFINITY);
-    }
-    for (llama_pos pos = b*B; pos < (b + 1)*B; ++pos) {
-        for (uint32_t lt = 0; lt < n_lt; ++lt) {
-            const float * src = key_row(pos, lt);
-            for (uint32_t hk = 0; hk < n_head_kv; ++hk) {
-                float * kmx = kb.data() + ((size_t) lt*n_head_kv + hk)*2*head_dim;
-                float * kmn = kmx + head_dim;
-                const float * sh = src + (size_t) hk*head_dim;
-                for (uint32_t d = 0; d < head_dim; ++d) {
-                    kmx[d] = std::max(kmx[d], sh[d]);
-                    kmn[d] = std::min(kmn[d], sh[d]);
-                }
-            }
-        }
-    }
-}
+//
+// stats
+//
 
 void llama_kvmem_cache::publish() {
     snap_t total;
@@ -1197,578 +1267,4 @@ std::string llama_kvmem_cache::get_last_error() const {
 void llama_kvmem_cache::set_last_error(const std::string & msg) {
     std::lock_guard<std::mutex> lock(snap_mutex);
     last_error = msg;
-}
-
-//
-// setup hooks
-//
-
-void llama_kvmem_configure(llama_cparams & cparams, const llama_context_params & params) {
-    llama_kvmem_params kp;
-    kp.budget       = std::max(0, params.kvmem_budget);
-    kp.block        = params.kvmem_block > 0 ? params.kvmem_block : 128;
-    kp.sink         = std::max(0, params.kvmem_sink);
-    kp.recent       = std::max(0, params.kvmem_recent);
-    kp.gen_reserve  = std::max(0, params.kvmem_gen_reserve);
-    kp.query_tokens = params.kvmem_query_tokens > 0 ? params.kvmem_query_tokens : 32;
-    kp.refresh      = std::max(0, params.kvmem_refresh);
-    kp.host_mib     = std::max(0, params.kvmem_host_mib);
-    kp.method       = params.kvmem_method == LLAMA_KVMEM_METHOD_RECENCY ? LLAMA_KVMEM_METHOD_RECENCY : LLAMA_KVMEM_METHOD_RETRIEVAL;
-    kp.trace        = params.kvmem_trace;
-
-    if (params.ctx_type == LLAMA_CONTEXT_TYPE_MTP) {
-        // an MTP draft context is tiered only as a follower of a tiered target context
-        kp.leader = params.ctx_other ? llama_kvmem_cache::from(llama_get_memory(params.ctx_other)) : nullptr;
-        if (!kp.leader) {
-            kp.budget = 0;
-        }
-    } else if (params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
-        kp.budget = 0;
-    }
-    if (kp.budget > 0) {
-        const uint32_t B = kp.block;
-        const uint32_t need = (div_up(kp.sink, B) + div_up(kp.recent, B) + 2)*B;
-        if (kp.budget < need) {
-            throw std::runtime_error(format("--kvmem-budget %u is too small: it must hold the sink (%u) + recent (%u) tokens "
-                        "rounded up to blocks of %u, plus one retrieved block and the partial tail: at least %u",
-                        kp.budget, kp.sink, kp.recent, B, need));
-        }
-        if (kp.gen_reserve < 1) {
-            throw std::runtime_error("--kvmem-gen-reserve must be at least 1");
-        }
-    }
-    cparams.kvmem = kp;
-}
-
-void llama_kvmem_check(const llama_model & model, llama_cparams & cparams) {
-    if (cparams.kvmem.budget == 0) {
-        return;
-    }
-    const std::string reason = llama_kvmem_cache::check(model, cparams, cparams.kvmem);
-    if (!reason.empty()) {
-        LLAMA_LOG_WARN("kvmem_score: DISABLED (%s)\n", reason.c_str());
-        cparams.kvmem.budget = 0;
-    }
-}
-
-void llama_kvmem_check_memory(llama_memory_i * mem, llama_cparams & cparams) {
-    if (cparams.kvmem.budget > 0 && !llama_kvmem_cache::from(mem)) {
-        LLAMA_LOG_WARN("kvmem_score: DISABLED (%s)\n", "the model's memory has no plain attention KV cache to tier (sliding-window and purely recurrent models are not tiered)");
-        cparams.kvmem.budget = 0;
-    }
-}
-
-llama_memory_i * llama_kvmem_create_memory(const llama_model & model, const llama_memory_params & params,
-        const llama_cparams & cparams, const llama_memory_i::layer_filter_cb & filter) {
-    if (cparams.kvmem.budget == 0) {
-        return nullptr;
-    }
-    llama_kvmem_cache * target = nullptr;
-    if (params.ctx_type == LLAMA_CONTEXT_TYPE_MTP) {
-        target = cparams.kvmem.leader;
-        if (!target) {
-            return nullptr;
-        }
-    } else if (params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
-        return nullptr;
-    }
-    return new llama_kvmem_cache(model, params.type_k, params.type_v, cparams.offload_kqv,
-            cparams.n_seq_max, cparams.n_ctx, cparams.kvmem, filter, target);
-}
-
-//
-// hybrid models
-//
-
-// llama_memory_hybrid whose attention part is a llama_kvmem_cache: the graph still sees a
-// llama_memory_hybrid_context; only the batch split and the lazy attention placement differ
-class llama_kvmem_hybrid : public llama_memory_hybrid {
-public:
-    llama_kvmem_hybrid(const llama_model & model, llama_kvmem_cache * attn, llama_memory_recurrent * recr) :
-        llama_memory_hybrid(model, attn, recr), km(attn) {
-        km->recr = recr;
-    }
-
-    llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) override {
-        auto * recr = get_mem_recr();
-        const uint32_t n_ub = km->max_ubatch(n_ubatch);
-        balloc.split_reset();
-        std::vector<llama_ubatch> ubatches;
-        while (true) {
-            // same split as upstream's hybrid memory (unified KV): the trailing 1 + n_rs_seq tokens of each
-            // sequence stay in one ubatch so that recurrent rollback snapshots remain valid
-            llama_ubatch ubatch = embd_all ? balloc.split_seq(n_ub)
-                : balloc.split_equal(n_ub, false, recr->n_rs_seq > 0 ? recr->n_rs_seq + 1 : 0);
-            if (ubatch.n_tokens == 0) {
-                break;
-            }
-            ubatches.push_back(std::move(ubatch)); // NOLINT
-        }
-        if (balloc.get_n_used() < balloc.get_n_tokens() || !km->host_room_for(ubatches.data(), ubatches.size()) || !recr->prepare(ubatches)) {
-            return std::make_unique<llama_memory_hybrid_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
-        }
-        llama_kv_cache::slot_info_vec_t sinfos(ubatches.size());
-        llama_memory_context_ptr ctx_attn = std::make_unique<llama_kvmem_context>(km, std::move(sinfos), ubatches);
-        return std::make_unique<llama_memory_hybrid_context>(this, std::move(ctx_attn), std::move(ubatches));
-    }
-
-private:
-    llama_kvmem_cache * km;
-};
-
-llama_memory_i * llama_kvmem_create_hybrid(const llama_model & model, const llama_memory_params & params,
-        const llama_cparams & cparams, const llama_memory_i::layer_filter_cb & filter_attn,
-        const llama_memory_i::layer_filter_cb & filter_recr) {
-    if (cparams.kvmem.budget == 0 || params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT || model.hparams.swa_type != LLAMA_SWA_TYPE_NONE) {
-        return nullptr;
-    }
-    const auto & hp = model.hparams;
-    const llama_memory_i::layer_filter_cb attn = filter_attn ? filter_attn : [&hp](int32_t il) { return !hp.is_recr(il); };
-    const llama_memory_i::layer_filter_cb recr = filter_recr ? filter_recr : [&hp](int32_t il) { return hp.is_recr(il); };
-    auto * km = new llama_kvmem_cache(model, params.type_k, params.type_v, cparams.offload_kqv,
-            cparams.n_seq_max, cparams.n_ctx, cparams.kvmem, attn);
-    auto * rs = new llama_memory_recurrent(model, GGML_TYPE_F32, GGML_TYPE_F32, cparams.offload_kqv,
-            std::max((uint32_t) 1, cparams.n_seq_max), cparams.n_seq_max, cparams.n_rs_seq, recr);
-    return new llama_kvmem_hybrid(model, km, rs);
-}
-
-// recurrent state snapshots in host memory (one sequence, via the state I/O of the recurrent memory)
-class kvmem_state_writer : public llama_io_write_i {
-public:
-    std::vector<uint8_t> buf;
-
-    void write(const void * src, size_t size) override {
-        const auto * p = (const uint8_t *) src;
-        buf.insert(buf.end(), p, p + size);
-    }
-    void write_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
-        const size_t o = buf.size();
-        buf.resize(o + size);
-        ggml_backend_tensor_get(tensor, buf.data() + o, offset, size);
-    }
-    size_t n_bytes() override { return buf.size(); }
-};
-
-class kvmem_state_reader : public llama_io_read_i {
-public:
-    explicit kvmem_state_reader(const std::vector<uint8_t> & buf) : buf(buf) {}
-
-    void read(void * dst, size_t size) override {
-        take(size);
-        std::memcpy(dst, buf.data() + pos - size, size);
-    }
-    void read_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
-        take(size);
-        ggml_backend_tensor_set(tensor, buf.data() + pos - size, offset, size);
-    }
-    size_t n_bytes() override { return pos; }
-
-private:
-    void take(size_t size) {
-        if (pos + size > buf.size()) {
-            throw std::runtime_error("kvmem: recurrent state snapshot is truncated");
-        }
-        pos += size;
-    }
-    const std::vector<uint8_t> & buf;
-    size_t pos = 0;
-};
-
-//
-// llama_context: turn hook
-//
-
-// the outputs of a decode of the last n_tail tokens of a batch of n, mapped back to the caller's indices
-static void kvmem_map_tail_outputs(std::vector<int32_t> & output_ids, size_t n, size_t n_tail) {
-    std::vector<int32_t> ids(output_ids.begin(), output_ids.end());
-    std::fill(output_ids.begin(), output_ids.end(), -1);
-    for (size_t j = 0; j < n_tail && j < ids.size(); ++j) {
-        if (n - n_tail + j < output_ids.size()) {
-            output_ids[n - n_tail + j] = ids[j];
-        }
-    }
-}
-
-int llama_context::decode(const llama_batch_ext & batch) {
-    auto * km = llama_kvmem_cache::from(memory.get());
-    if (!km || km->in_redecode) {
-        return decode_impl(batch);
-    }
-    km->set_last_error("");
-
-    if (km->is_follower()) {
-        // before: drop what the target dropped (room for the batch); after: take the new blocks in line
-        km->follow_leader();
-        const int ret = decode_impl(batch);
-        km->follow_leader();
-        return ret;
-    }
-
-    // a turn = several new tokens of one sequence of which only the last is an output (a prompt's end);
-    // speculative verification batches (every token an output) are not turns
-    const size_t n = batch.tokens.size();
-    bool turn = n >= 2 && batch.tokens.back().output && batch.tokens.back().seq_ids.size() == 1;
-    const llama_seq_id s = turn ? *batch.tokens.back().seq_ids.begin() : -1;
-    for (size_t i = 0; turn && i < n; ++i) {
-        const auto & tok = batch.tokens[i];
-        turn = tok.seq_ids.size() == 1 && *tok.seq_ids.begin() == s && !tok.has_embd && (!tok.output || i + 1 == n);
-    }
-    if (!turn) {
-        // decode-time refresh at an exact position: a single-sequence batch that crosses it is split there,
-        // so every token sees the working set it would see when decoded one at a time (speculative
-        // verification batches then give the same greedy output as plain decoding)
-        llama_seq_id s1 = n > 0 && batch.tokens[0].seq_ids.size() == 1 ? *batch.tokens[0].seq_ids.begin() : -1;
-        for (size_t i = 0; s1 >= 0 && i < n; ++i) {
-            if (batch.tokens[i].seq_ids.size() != 1 || *batch.tokens[i].seq_ids.begin() != s1) {
-                s1 = -1;
-            }
-        }
-        const llama_pos r = s1 >= 0 && sampling.samplers.empty() ? km->refresh_pos(s1) : -1;
-        if (r < 0) {
-            return kvmem_decode_multi(batch);
-        }
-        size_t j = 0;
-        while (j < n && batch.tokens[j].pos[0] < r) {
-            j++;
-        }
-        if (j == 0) {
-            km->select(s1);
-        } else if (j < n) {
-            return kvmem_decode_split(batch, j, s1);
-        }
-        return decode_impl(batch);
-    }
-
-    // the turn's last query_tokens form the query; after a selection they are recomputed so that they
-    // (and the logits) see the retrieved blocks
-    const size_t n_tail = std::min<size_t>(n, std::max<uint32_t>(km->params().query_tokens, 1));
-    const size_t n_head = n - n_tail;
-    llama_batch_ext tail = batch;
-    tail.tokens.erase(tail.tokens.begin(), tail.tokens.begin() + n_head);
-
-    // draft-mtp reads one target hidden-state row per batch token (unmasked nextn rows): keep the
-    // head's rows across the tail's recompute and put the batch back together at the end
-    const bool nextn_rows = cparams.embeddings_nextn && !cparams.embeddings_nextn_masked;
-    const size_t n_embd_nextn = model.hparams.n_embd_out();
-    std::vector<float> nextn_head;
-    auto save_head_rows = [&]() {
-        float * rows = nextn_rows ? get_embeddings_nextn() : nullptr;
-        if (rows && n_head > 0) {
-            nextn_head.assign(rows, rows + n_head*n_embd_nextn);
-        }
-    };
-    auto place_tail_rows = [&]() {
-        float * rows = nextn_rows ? get_embeddings_nextn() : nullptr;
-        if (rows && !nextn_head.empty()) {
-            std::memmove(rows + n_head*n_embd_nextn, rows, n_tail*n_embd_nextn*sizeof(float));
-            std::memcpy(rows, nextn_head.data(), nextn_head.size()*sizeof(float));
-        }
-    };
-
-    // hybrid models: the recurrent state cannot be rolled back by seq_rm, so the turn is decoded as
-    // head + tail with a snapshot of the sequence's recurrent state in between (only when a selection
-    // could stage anything in: otherwise the batch is decoded as is, like upstream)
-    std::vector<uint8_t> snapshot;
-    if (km->recr && km->may_stage(n)) {
-        if (n_head > 0) {
-            llama_batch_ext head = batch;
-            head.tokens.resize(n_head);
-            const int ret = decode_impl(head);
-            if (ret != 0) {
-                return ret;
-            }
-            save_head_rows();
-        }
-        kvmem_state_writer w;
-        km->recr->state_write(w, s);
-        snapshot = std::move(w.buf);
-        const int ret = decode_impl(tail);
-        if (ret != 0) {
-            return ret;
-        }
-        kvmem_map_tail_outputs(output_ids, n, n_tail);
-        if (!km->select(s)) {
-            place_tail_rows();
-            return 0;
-        }
-        kvmem_state_reader r(snapshot);
-        km->recr->state_read(r, s);
-        km->in_redecode = true;
-        km->seq_rm(s, tail.tokens.front().pos[0], -1);
-    } else {
-        const int ret = decode_impl(batch);
-        if (ret != 0) {
-            return ret;
-        }
-        if (!km->select(s)) {
-            return 0;
-        }
-        save_head_rows();
-        km->in_redecode = true;
-        memory->seq_rm(s, tail.tokens.front().pos[0], -1);
-    }
-    const int ret2 = decode_impl(tail);
-    km->in_redecode = false;
-    if (ret2 != 0) {
-        return ret2;
-    }
-    kvmem_map_tail_outputs(output_ids, n, n_tail);
-    place_tail_rows();
-    return 0;
-}
-
-int llama_context::kvmem_decode_multi(const llama_batch_ext & batch) {
-    // several sequences in one batch (parallel slots): each sequence whose prompt ends here (>= 2 tokens,
-    // only its last one an output) is a turn; after the batch each turn is selected, the tails of those
-    // that staged blocks in are recomputed together, and their outputs replace the first pass's rows
-    auto * km = llama_kvmem_cache::from(memory.get());
-    const size_t n = batch.tokens.size();
-    struct seq_info { size_t count = 0; bool ok = true; };
-    std::map<llama_seq_id, seq_info> info;
-    for (size_t i = 0; i < n; ++i) {
-        const auto & tok = batch.tokens[i];
-        for (const auto s : tok.seq_ids) {
-            auto & x = info[s];
-            x.count++;
-            x.ok = x.ok && tok.seq_ids.size() == 1 && !tok.has_embd;
-        }
-    }
-    std::map<llama_seq_id, size_t> last_idx;
-    for (size_t i = 0; i < n; ++i) {
-        for (const auto s : batch.tokens[i].seq_ids) {
-            last_idx[s] = i;
-        }
-    }
-    for (size_t i = 0; i < n; ++i) {
-        const auto & tok = batch.tokens[i];
-        if (tok.seq_ids.size() == 1 && tok.output && last_idx[*tok.seq_ids.begin()] != i) {
-            info[*tok.seq_ids.begin()].ok = false; // outputs inside the sequence: generation or verification
-        }
-    }
-    std::vector<llama_seq_id> turns;
-    for (auto & [s, x] : info) {
-        if (x.ok && x.count >= 2 && batch.tokens[last_idx[s]].output) {
-            turns.push_back(s);
-        }
-    }
-
-    const int ret = decode_impl(batch);
-    if (ret != 0) {
-        return ret;
-    }
-    kvmem_refresh(batch, turns);
-    if (turns.empty()) {
-        return 0;
-    }
-    std::set<llama_seq_id> staged;
-    for (const auto s : turns) {
-        if (km->select(s)) {
-            staged.insert(s);
-        }
-    }
-    // the recurrent state of hybrid models cannot be rolled back here, and backend samplers keep their
-    // own per-output state: those batches keep the first pass (the selection applies from the next token)
-    if (staged.empty() || km->recr || !sampling.samplers.empty()) {
-        return 0;
-    }
-
-    llama_kvmem_outputs first;
-    kvmem_take_outputs(n, first);
-
-    // tails of the staged sequences, in batch order
-    std::map<llama_seq_id, size_t> left;
-    for (const auto s : staged) {
-        left[s] = std::min<size_t>(info[s].count, std::max<uint32_t>(km->params().query_tokens, 1));
-    }
-    std::map<llama_seq_id, size_t> seen;
-    std::vector<size_t> tail_idx;
-    llama_batch_ext tail = batch;
-    tail.tokens.clear();
-    for (size_t i = 0; i < n; ++i) {
-        const auto & tok = batch.tokens[i];
-        if (tok.seq_ids.size() != 1 || !staged.count(*tok.seq_ids.begin())) {
-            continue;
-        }
-        const llama_seq_id s = *tok.seq_ids.begin();
-        if (++seen[s] > info[s].count - left[s]) {
-            tail_idx.push_back(i);
-            tail.tokens.push_back(tok);
-        }
-    }
-    km->in_redecode = true;
-    for (const auto s : staged) {
-        for (size_t j = 0; j < tail_idx.size(); ++j) {
-            if (*batch.tokens[tail_idx[j]].seq_ids.begin() == s) {
-                memory->seq_rm(s, batch.tokens[tail_idx[j]].pos[0], -1);
-                break;
-            }
-        }
-    }
-    const int ret2 = decode_impl(tail);
-    km->in_redecode = false;
-    if (ret2 != 0) {
-        return ret2;
-    }
-
-    // merge: the recomputed rows replace the first pass's rows of the same batch tokens
-    llama_kvmem_outputs redo;
-    kvmem_take_outputs(tail_idx.size(), redo);
-    const size_t n_vocab = model.vocab.n_tokens();
-    const size_t n_embd_out = model.hparams.n_embd_out();
-    for (size_t j = 0; j < tail_idx.size(); ++j) {
-        const size_t i = tail_idx[j];
-        if (!first.nextn.empty() && !redo.nextn.empty()) {
-            std::memcpy(first.nextn.data() + i*n_embd_out, redo.nextn.data() + j*n_embd_out, n_embd_out*sizeof(float));
-        }
-        if (!batch.tokens[i].output || first.ids[i] < 0 || redo.ids[j] < 0) {
-            continue;
-        }
-        const size_t r1 = first.ids[i], r2 = redo.ids[j];
-        if (!first.logits.empty()) {
-            std::memcpy(first.logits.data() + r1*n_vocab, redo.logits.data() + r2*n_vocab, n_vocab*sizeof(float));
-        }
-        if (!first.embd.empty()) {
-            std::memcpy(first.embd.data() + r1*n_embd_out, redo.embd.data() + r2*n_embd_out, n_embd_out*sizeof(float));
-        }
-    }
-    return kvmem_put_outputs(first) ? 0 : -2;
-}
-
-void llama_context::kvmem_refresh(const llama_batch_ext & batch, const std::vector<llama_seq_id> & turns) {
-    // decode-time refresh of sequences in a multi-sequence batch: re-select those whose next token is at
-    // or past their refresh position (single-sequence batches are split exactly at it, see decode())
-    auto * km = llama_kvmem_cache::from(memory.get());
-    std::map<llama_seq_id, llama_pos> next_pos;
-    for (const auto & tok : batch.tokens) {
-        if (tok.seq_ids.size() == 1) {
-            auto & p = next_pos[*tok.seq_ids.begin()];
-            p = std::max(p, tok.pos[0] + 1);
-        }
-    }
-    for (const auto & [s, p] : next_pos) {
-        const llama_pos r = km->refresh_pos(s);
-        if (r >= 0 && p >= r && std::find(turns.begin(), turns.end(), s) == turns.end()) {
-            km->select(s);
-        }
-    }
-}
-
-int llama_context::kvmem_decode_split(const llama_batch_ext & batch, size_t j, llama_seq_id s) {
-    // tokens [0, j) see the current working set, the sequence is re-selected, tokens [j, n) see the new
-    // one; the outputs of both decodes are put back together in the caller's order
-    auto * km = llama_kvmem_cache::from(memory.get());
-    const size_t n = batch.tokens.size();
-    llama_batch_ext head = batch;
-    head.tokens.resize(j);
-    int ret = decode_impl(head);
-    if (ret != 0) {
-        return ret;
-    }
-    llama_kvmem_outputs a;
-    kvmem_take_outputs(j, a);
-    km->select(s);
-    llama_batch_ext rest = batch;
-    rest.tokens.erase(rest.tokens.begin(), rest.tokens.begin() + j);
-    ret = decode_impl(rest);
-    if (ret != 0) {
-        return ret;
-    }
-    llama_kvmem_outputs b;
-    kvmem_take_outputs(n - j, b);
-    for (const auto id : b.ids) {
-        a.ids.push_back(id >= 0 ? a.n_out + id : -1);
-    }
-    a.n_out += b.n_out;
-    a.logits.insert(a.logits.end(), b.logits.begin(), b.logits.end());
-    a.embd.insert(a.embd.end(), b.embd.begin(), b.embd.end());
-    a.nextn.insert(a.nextn.end(), b.nextn.begin(), b.nextn.end()); // both or neither: same context settings
-    return kvmem_put_outputs(a) ? 0 : -2;
-}
-
-void llama_context::kvmem_take_outputs(size_t n_tok, llama_kvmem_outputs & o) {
-    output_reorder();
-    const size_t n_vocab = model.vocab.n_tokens();
-    const size_t n_embd_out = model.hparams.n_embd_out();
-    o.ids.assign(output_ids.begin(), output_ids.begin() + std::min(n_tok, output_ids.size()));
-    o.n_out = 0;
-    for (const auto id : o.ids) {
-        o.n_out = std::max(o.n_out, id + 1);
-    }
-    o.logits.clear();
-    o.embd.clear();
-    o.nextn.clear();
-    if (logits.data) {
-        o.logits.assign(logits.data, logits.data + (size_t) o.n_out*n_vocab);
-    }
-    if (embd.data && embd.size > 0) {
-        o.embd.assign(embd.data, embd.data + (size_t) o.n_out*n_embd_out);
-    }
-    // draft-mtp reads one unmasked next-n row per batch token
-    if (cparams.embeddings_nextn && !cparams.embeddings_nextn_masked && embd_nextn.data) {
-        o.nextn.assign(embd_nextn.data, embd_nextn.data + n_tok*n_embd_out);
-    }
-}
-
-bool llama_context::kvmem_put_outputs(const llama_kvmem_outputs & o) {
-    if (output_reserve(o.n_out) < (uint32_t) o.n_out) { // lays the views out for these outputs again
-        return false;
-    }
-    if (logits.data && !o.logits.empty()) {
-        std::memcpy(logits.data, o.logits.data(), o.logits.size()*sizeof(float));
-    }
-    if (embd.data && !o.embd.empty()) {
-        std::memcpy(embd.data, o.embd.data(), o.embd.size()*sizeof(float));
-    }
-    if (embd_nextn.data && !o.nextn.empty()) {
-        std::memcpy(embd_nextn.data, o.nextn.data(), o.nextn.size()*sizeof(float));
-    }
-    std::fill(output_ids.begin(), output_ids.end(), -1);
-    std::copy(o.ids.begin(), o.ids.end(), output_ids.begin());
-    n_outputs = o.n_out;
-    return true;
-}
-
-void llama_context::kvmem_after_ubatch(const llm_graph_result * res, const llama_ubatch & ubatch) {
-    auto * km = llama_kvmem_cache::from(memory.get());
-    if (km) {
-        km->after_ubatch(sched.get(), res, ubatch);
-    }
-}
-
-//
-// C API
-//
-
-int32_t llama_kvmem_get_stats(const struct llama_context * ctx, struct llama_kvmem_stats * out) {
-    if (!ctx || !out) {
-        return -1;
-    }
-    std::memset(out, 0, sizeof(*out));
-    auto * km = llama_kvmem_cache::from(llama_get_memory(ctx));
-    if (!km) {
-        return 1; // tiering off
-    }
-    km->get_stats(out);
-    return 0;
-}
-
-int32_t llama_kvmem_get_seq_stats(const struct llama_context * ctx, llama_seq_id seq_id, struct llama_kvmem_stats * out) {
-    if (!ctx || !out) {
-        return -1;
-    }
-    std::memset(out, 0, sizeof(*out));
-    auto * km = llama_kvmem_cache::from(llama_get_memory(ctx));
-    if (!km) {
-        return 1;
-    }
-    km->get_seq_stats(seq_id, out);
-    return 0;
-}
-
-const char * llama_kvmem_last_error(const struct llama_context * ctx) {
-    // thread-local copy so the pointer stays valid for the caller
-    static thread_local std::string msg;
-    auto * km = ctx ? llama_kvmem_cache::from(llama_get_memory(ctx)) : nullptr;
-    msg = km ? km->get_last_error() : std::string();
-    return msg.c_str();
 }

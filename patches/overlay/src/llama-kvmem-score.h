@@ -1,0 +1,64 @@
+#pragma once
+
+// KVMem block summaries and scoring (kvmem-llama): which history blocks a query needs.
+//
+// A block's summary is built once, when the block is complete, from the keys of its tokens;
+// a selection scores every block of a sequence against the turn's query rows. Key and query
+// rows are float [n_lt][heads][head_dim] per token (n_lt = tiered layers), before or after
+// RoPE as the method asks (post_rope()). One implementation per method, all on the CPU;
+// selection is shared by all layers, so every method reduces (layer, head, query row)
+// evidence to one score per block.
+
+#include "llama-kvmem-params.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+struct kvmem_dims {
+    uint32_t n_lt      = 0; // tiered (attention) layers
+    uint32_t n_head    = 0;
+    uint32_t n_head_kv = 0;
+    uint32_t head_dim  = 0;
+    uint32_t block     = 0; // tokens per block
+
+    size_t key_row()   const { return (size_t) n_lt*n_head_kv*head_dim; } // floats per token
+    size_t query_row() const { return (size_t) n_lt*n_head*head_dim; }
+};
+
+class kvmem_scorer {
+public:
+    kvmem_scorer(const kvmem_dims & dims, int32_t method);
+
+    int32_t method() const { return meth; }
+    bool scores() const { return meth != LLAMA_KVMEM_METHOD_RECENCY; }
+    bool post_rope() const; // keys and queries after RoPE (positions matter), else before
+
+    // floats of one block's summary (0: the method needs none)
+    size_t summary_size() const;
+
+    // key_row(t): the key row of the block's token t in [0, block)
+    void summarize(const std::function<const float * (uint32_t t)> & key_row, float * out) const;
+
+    // scores of the blocks whose summaries are given (nullptr: no summary, scored -inf); only the
+    // candidates are ranked, but methods that normalize attention count every block (the sink and the
+    // recent window take their share of the query's attention). q: n_rows query rows.
+    void score(const std::vector<const float *> & summaries, const std::vector<char> & candidate,
+            const float * q, size_t n_rows, std::vector<float> & out) const;
+
+    static const char * method_name(int32_t method);
+    static int32_t method_from_name(const std::string & name); // -1 if unknown
+    static int32_t resolve(int32_t method); // RETRIEVAL -> the default scorer
+
+private:
+    kvmem_dims d;
+    int32_t meth;
+    uint32_t sub = 16; // sub-page / chunk tokens
+
+    void score_bounds(const std::vector<const float *> & sums, const std::vector<char> & cand,
+            const float * q, size_t n_rows, std::vector<float> & out) const;
+    void score_meankey(const std::vector<const float *> & sums, const float * q, size_t n_rows, std::vector<float> & out) const;
+    void score_mass(const std::vector<const float *> & sums, const float * q, size_t n_rows, std::vector<float> & out) const;
+};
