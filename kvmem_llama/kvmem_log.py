@@ -1,20 +1,22 @@
 """Parse the engine's stable `kvmem_score:` log lines (see design notes, section 4).
 
-    kvmem_score: ARMED blocks=.. block_tokens=.. layers=.. kv_heads=.. head_dim=.. budget_blocks=..
+    kvmem_score: ARMED blocks=.. block_tokens=.. layers=.. kv_heads=.. head_dim=.. budget_blocks=.. host_mib=..
+                 method=.. prefill=..
     kvmem_score: SELECT seq=.. n_blocks=.. budget_blocks=.. share=.. sink=.. recent=.. scored=.. staged_in=..
-                 staged_out=.. reused=.. query_tokens=.. ms=..
+                 staged_out=.. reused=.. query_tokens=.. ms=.. stage_ms=.. stage_mib=.. reason=.. pos=..
+                 question=.. method=..
     kvmem_score: FOLLOW seq=.. n_blocks=.. staged_in=.. staged_out=.. resident=.. target_resident=.. common=..
     kvmem_score: DRAFT follows the target's selection: blocks=.. layers=.. host_mib=..
     kvmem_score: DISABLED (<reason>)
-    kvmem_trace: resident seq=.. pos=.. reason=turn|refresh|room blocks=0-1,5,17-20   (with --kvmem-trace)
+    kvmem_trace: resident seq=.. pos=.. reason=.. layers=.. blocks=<ranges>       (with --kvmem-trace)
 
-SELECT is a selection of the blocks of one sequence (at a prompt's end, or a refresh during
-generation); `share` is the sequence's part of the budget in blocks when parallel sequences share
-it. FOLLOW is an MTP draft context bringing its resident blocks in line with the target's;
-DRAFT announces such a follower. Newer engines append keys (e.g. `reason=turn method=retrieval`
-to SELECT): the parsers keep every key=value they find and only require the documented ones.
-The trace's `resident` line lists the blocks resident after a selection (block b holds the
-positions [b*block_tokens, (b+1)*block_tokens)); `parse_resident` reads it.
+SELECT is a selection of the blocks of one sequence: `reason` is turn (a prompt's end), refresh or room
+(during generation), or prefill (inside a prompt, retrieval prefill mode); `pos` the position from which
+the new working set applies; `question` the blocks of the last user message kept resident; `share` the
+sequence's part of the budget in blocks when parallel sequences share it. FOLLOW is an MTP draft context
+bringing its resident blocks in line with the target's; DRAFT announces such a follower. The resident
+trace line lists the blocks resident after a selection (`layers` tells a target's cache from its draft
+model's in one log).
 
 Each parse function takes one line (any prefix, e.g. llama.cpp's log prefix, is allowed) and
 returns a dict, or None when the line is not that event. The launcher's readiness self-test

@@ -163,6 +163,33 @@ def test_3_context_checkpoints_do_not_shrink_the_turn(llama_server, qwen35) -> N
         assert recompute and recompute[0] <= end - 128, (recompute, end)
 
 
+def test_3_the_turns_query_is_the_last_user_message(llama_server, smollm2) -> None:
+    """Through the chat API the server tells the engine where the last user message is: the turn's query is
+    that message (a short question after a long system prompt and an earlier exchange), not the prompt's
+    last 128 tokens, and the message's blocks stay resident while the answer is generated."""
+    messages = [
+        {"role": "system", "content": essay(150)},
+        {"role": "user", "content": "Summarize chapter 3."},
+        {"role": "assistant", "content": "In chapter 3 a river met a stone."},
+        {"role": "user", "content": "Which chapter mentions a garden?"},
+    ]
+    args = ["-c", "8192", "-np", "1", "--kvmem-budget", "768", *SMALL, *TRACE]
+    with llama_server(smollm2, args) as srv:
+        body = {"messages": messages, "max_tokens": 8, "temperature": 0}
+        resp = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=600)
+        resp.raise_for_status()
+        full = httpx.post(f"{srv.url}/apply-template", json={"messages": messages}, timeout=60).json()["prompt"]
+        head = httpx.post(f"{srv.url}/apply-template", json={"messages": messages[:-1], "add_generation_prompt": False},
+                          timeout=60).json()["prompt"]
+        assert full.startswith(head)
+        n_query = len(tokenize(srv.url, full)) - len(tokenize(srv.url, head))  # the message + the assistant header
+        log = srv.log()
+    sel = turn_selects(log)
+    assert len(sel) == 1, sel
+    assert abs(sel[0]["query_tokens"] - n_query) <= 2 and sel[0]["query_tokens"] < 40, (sel[0], n_query)
+    assert sel[0]["question"] >= 1
+
+
 # ---------------------------------------------------------------- 4. the question stays during generation
 
 def test_4_the_question_stays_resident_while_the_answer_is_generated(llama_server, smollm2) -> None:

@@ -61,7 +61,8 @@ size_t kvmem_scorer::summary_size() const {
     }
 }
 
-void kvmem_scorer::summarize(const std::function<const float * (uint32_t t)> & key_row, float * out) const {
+void kvmem_scorer::summarize(const std::function<const float * (uint32_t t)> & key_row, float * out,
+        const float * old, uint32_t n_same) const {
     const uint32_t hd = d.head_dim;
     const uint32_t n_pages = (meth == LLAMA_KVMEM_METHOD_QUEST || meth == LLAMA_KVMEM_METHOD_MEANKEY) ? 1 : d.block/sub;
     const uint32_t page = d.block/n_pages;
@@ -70,22 +71,43 @@ void kvmem_scorer::summarize(const std::function<const float * (uint32_t t)> & k
     std::fill(out, out + summary_size(), 0.0f);
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
         for (uint32_t hk = 0; hk < d.n_head_kv; ++hk) {
-            float * o = out + ((size_t) lt*d.n_head_kv + hk)*n_pages*per_page;
+            const size_t o_lh = ((size_t) lt*d.n_head_kv + hk)*n_pages*per_page;
             for (uint32_t p = 0; p < n_pages; ++p) {
-                float * op = o + (size_t) p*per_page;
+                float * op = out + o_lh + (size_t) p*per_page;
+                if (old && (p + 1)*page <= n_same) {
+                    std::copy(old + o_lh + (size_t) p*per_page, old + o_lh + (size_t) (p + 1)*per_page, op);
+                    continue; // unchanged tokens: the old summary of this page holds
+                }
                 if (bounds) {
                     std::fill(op, op + hd, -INFINITY);
                     std::fill(op + hd, op + 2*hd, INFINITY);
                 }
+                uint32_t n = 0;
                 for (uint32_t t = p*page; t < (p + 1)*page; ++t) {
-                    const float * k = key_row(t) + ((size_t) lt*d.n_head_kv + hk)*hd;
+                    const float * row = key_row(t);
+                    if (!row) {
+                        continue; // cut off by a truncation: the page is summarized from the tokens that are known
+                    }
+                    n++;
+                    const float * k = row + ((size_t) lt*d.n_head_kv + hk)*hd;
                     for (uint32_t i = 0; i < hd; ++i) {
                         if (bounds) {
                             op[i]      = std::max(op[i], k[i]);
                             op[hd + i] = std::min(op[hd + i], k[i]);
                         } else {
-                            op[i] += k[i]/page;
+                            op[i] += k[i];
                         }
+                    }
+                }
+                if (n == 0) {
+                    if (old) {
+                        std::copy(old + o_lh + (size_t) p*per_page, old + o_lh + (size_t) (p + 1)*per_page, op);
+                    } else if (bounds) {
+                        std::fill(op, op + 2*hd, 0.0f);
+                    }
+                } else if (!bounds) {
+                    for (uint32_t i = 0; i < hd; ++i) {
+                        op[i] /= n;
                     }
                 }
             }

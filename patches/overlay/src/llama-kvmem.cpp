@@ -487,10 +487,11 @@ void llama_kvmem_cache::turn_query_span(llama_seq_id seq_id, llama_pos end, llam
     }
     const auto & st = it->second;
     const llama_pos n_q = (llama_pos) kp.query_tokens;
-    if (st.hint_p0 >= 0 && st.hint_p1 <= end) {
-        // the last user message, at most its last query_tokens tokens
-        p1 = st.hint_p1;
-        p0 = std::max(st.hint_p0, p1 - n_q);
+    if (st.hint_p0 >= 0 && st.hint_p0 < end) {
+        // from the last user message to the prompt's end (a tool result after it included), its last
+        // query_tokens tokens: a short question after a long history is only the question
+        p1 = end;
+        p0 = std::max(st.hint_p0, end - n_q);
     } else {
         p1 = end;
         p0 = std::max<llama_pos>(0, end - n_q);
@@ -580,7 +581,9 @@ std::set<int32_t> llama_kvmem_cache::plan_target(llama_seq_id seq_id, seq_state 
             }
         }
     }
-    for (auto bit = st.blocks.rbegin(); bit != st.blocks.rend() && n_recent < recent_blocks && target.size() < avail; ++bit) {
+    // the newest blocks (those the question already covers count: the window does not grow past them)
+    uint32_t n_newest = 0;
+    for (auto bit = st.blocks.rbegin(); bit != st.blocks.rend() && n_newest < recent_blocks && target.size() < avail; ++bit, ++n_newest) {
         if (target.insert(bit->first).second) {
             n_recent++;
         }
@@ -1023,6 +1026,13 @@ void llama_kvmem_cache::forget_from(seq_state & st, llama_pos p0, llama_pos p1, 
     if (keep_summaries) {
         return;
     }
+    // the block the cut falls in keeps its old summary aside, if its first tokens' rows are gone
+    const int32_t b0 = p0/B;
+    const auto sit = st.summ.find(b0);
+    if (p1 == POS_END && p0 % B != 0 && sit != st.summ.end() && st.krow.find(b0*B) == st.krow.end()) {
+        st.stale[b0] = { sit->second, (uint32_t) (p0 - b0*B) };
+    }
+    st.stale.erase(st.stale.upper_bound(b0), st.stale.end());
     const int32_t b1 = p1 == POS_END ? std::numeric_limits<int32_t>::max() : (p1 - 1)/B + 1;
     st.summ.erase(st.summ.lower_bound(p0/B), st.summ.lower_bound(b1));
 }
@@ -1033,23 +1043,38 @@ void llama_kvmem_cache::forget_from(seq_state & st, llama_pos p0, llama_pos p1, 
 
 void llama_kvmem_cache::build_summary(seq_state & st, int32_t b,
         const std::function<const float * (llama_pos, uint32_t)> & key_row) {
-    // key_row(pos, lt): the layer lt part of the key row of position pos (nullptr when not captured)
+    // key_row(pos, lt): the layer lt part of the key row of position pos (nullptr when not captured). A block is
+    // summarized when its last token has been computed; rows missing at its start are those of a block cut by a
+    // truncation deep in the history, whose old summary fills in for the tokens that did not change
     const int32_t B = kp.block;
     const size_t per = (size_t) n_head_kv*head_dim;
-    for (llama_pos pos = b*B; pos < (b + 1)*B; ++pos) {
-        if (!key_row(pos, 0)) {
-            return; // not complete (yet)
-        }
+    if (!key_row((b + 1)*B - 1, 0)) {
+        return; // not complete (yet)
     }
+    const auto stale = st.stale.find(b);
     std::vector<float> rows((size_t) B*dims.key_row());
+    std::vector<char> known(B, 1);
     for (int32_t t = 0; t < B; ++t) {
+        if (!key_row(b*B + t, 0)) {
+            known[t] = 0;
+            continue;
+        }
         for (uint32_t lt = 0; lt < n_lt; ++lt) {
             std::memcpy(rows.data() + ((size_t) t*n_lt + lt)*per, key_row(b*B + t, lt), per*sizeof(float));
         }
     }
+    const bool complete = std::all_of(known.begin(), known.end(), [](char k) { return k != 0; });
+    if (!complete && stale == st.stale.end()) {
+        return; // rows missing for another reason (a restored state): no summary rather than a wrong one
+    }
     auto & out = st.summ[b];
     out.resize(scorer->summary_size());
-    scorer->summarize([&](uint32_t t) { return rows.data() + (size_t) t*dims.key_row(); }, out.data());
+    const bool use_old = !complete && stale->second.first.size() == out.size();
+    scorer->summarize([&](uint32_t t) { return known[t] ? rows.data() + (size_t) t*dims.key_row() : nullptr; }, out.data(),
+            use_old ? stale->second.first.data() : nullptr, use_old ? stale->second.second : 0);
+    if (stale != st.stale.end()) {
+        st.stale.erase(stale);
+    }
 }
 
 void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph_result * res, const llama_ubatch & ubatch) {

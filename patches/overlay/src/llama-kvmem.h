@@ -197,6 +197,9 @@ private:
     struct seq_state {
         std::map<int32_t, hblock> blocks;            // completed blocks on the host, by block index
         std::map<int32_t, std::vector<float>> summ;  // block summaries (the scorer's), by block index
+        // a block cut by a truncation deep in the history (its older key rows are gone): its old summary and
+        // how many leading tokens are unchanged, to rebuild the summary when the block completes again
+        std::map<int32_t, std::pair<std::vector<float>, uint32_t>> stale;
         std::map<llama_pos, std::vector<float>> krow; // key rows of the two newest blocks: a summary is rebuilt
                                                       // exactly after a truncation
         std::map<llama_pos, std::vector<float>> qrow; // query rows of the newest tokens, by position
