@@ -39,6 +39,18 @@ def smollm2() -> Path:
     return default_model_path()
 
 
+@pytest.fixture(scope="session")
+def qwen35(tmp_path_factory) -> dict[str, Path]:
+    """Tiny synthetic qwen35 GGUFs (hybrid; random weights, the real Qwen tokenizer): plain and with an MTP head."""
+    from kvmem_llama import synth
+
+    out = tmp_path_factory.mktemp("qwen35")
+    return {
+        "plain": synth.synthesize(out / "q35.gguf", "qwen35", "tiny", quant="q4_k", seed=1).path,
+        "mtp": synth.synthesize(out / "q35-mtp.gguf", "qwen35", "tiny", mtp=True, quant="q4_k", seed=1).path,
+    }
+
+
 @dataclass
 class RunningServer:
     url: str

@@ -11,28 +11,18 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
 from test_kvmem_engine import SMALL, essay, haystack_prompt
 
-from kvmem_llama import kvmem_log, synth
+from kvmem_llama import kvmem_log
 from kvmem_llama.shipped import shipped_model_path
 
 pytestmark = pytest.mark.engine
 
 # a long, non-repeating prompt: ~5.8K tokens with the Qwen tokenizer
 LIST = " ".join(f"item{i} is {i * 7 % 1000}." for i in range(600))
-
-
-@pytest.fixture(scope="module")
-def qwen35(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("qwen35")
-    return {
-        "plain": synth.synthesize(out / "q35.gguf", "qwen35", "tiny", quant="q4_k", seed=1).path,
-        "mtp": synth.synthesize(out / "q35-mtp.gguf", "qwen35", "tiny", mtp=True, quant="q4_k", seed=1).path,
-    }
 
 
 def complete(url: str, prompt: str, n_predict: int = 24, **extra) -> dict:

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from test_kvmem_engine import SMALL, complete, essay, haystack_prompt
 
-from kvmem_llama import kvmem_log, synth
+from kvmem_llama import kvmem_log
 from kvmem_llama.engine import Engine
 from kvmem_llama.shipped import shipped_model_path
 
@@ -52,15 +52,6 @@ def tokenize(url: str, text: str) -> list[int]:
     resp = httpx.post(f"{url}/tokenize", json={"content": text}, timeout=60)
     resp.raise_for_status()
     return resp.json()["tokens"]
-
-
-@pytest.fixture(scope="module")
-def qwen35(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("qwen35-residency")
-    return {
-        "plain": synth.synthesize(out / "q35.gguf", "qwen35", "tiny", quant="q4_k", seed=1).path,
-        "mtp": synth.synthesize(out / "q35-mtp.gguf", "qwen35", "tiny", mtp=True, quant="q4_k", seed=1).path,
-    }
 
 
 # ---------------------------------------------------------------- 1. follow-ups keep their own beginning

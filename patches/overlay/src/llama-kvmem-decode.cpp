@@ -198,28 +198,11 @@ public:
             return std::make_unique<llama_memory_hybrid_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
         }
         llama_kv_cache::slot_info_vec_t sinfos(ubatches.size());
-        llama_memory_context_ptr ctx_attn = std::make_unique<llama_kvmem_context_for_hybrid>(km, std::move(sinfos), ubatches);
+        llama_memory_context_ptr ctx_attn = std::make_unique<llama_kvmem_context>(km, std::move(sinfos), ubatches);
         return std::make_unique<llama_memory_hybrid_context>(this, std::move(ctx_attn), std::move(ubatches));
     }
 
 private:
-    // a llama_kv_cache_context that places each ubatch in the tiered cache when it is applied
-    class llama_kvmem_context_for_hybrid : public llama_kv_cache_context {
-    public:
-        llama_kvmem_context_for_hybrid(llama_kvmem_cache * km, slot_info_vec_t sinfos, std::vector<llama_ubatch> ubs) :
-            llama_kv_cache_context(km, std::move(sinfos), std::move(ubs)), km(km) {}
-
-        bool apply() override {
-            if (!ubatches.empty() && !km->prepare_ubatch(ubatches[i_cur], sinfos[i_cur])) {
-                return false;
-            }
-            return llama_kv_cache_context::apply();
-        }
-
-    private:
-        llama_kvmem_cache * km;
-    };
-
     llama_kvmem_cache * km;
 };
 

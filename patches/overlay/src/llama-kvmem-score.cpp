@@ -115,57 +115,42 @@ void kvmem_scorer::summarize(const std::function<const float * (uint32_t t)> & k
     }
 }
 
-// max over n_rows query rows (contiguous, n floats each) of dot(q_r, kb). Built for AVX2+FMA too on x86-64.
+// dot(q, k) of n floats, eight partial sums (vectorizes; built for AVX2+FMA too on x86-64, picked at run time)
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
+static float kvmem_dot(const float * q, const float * k, size_t n) {
+    float acc[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int j = 0; j < 8; ++j) {
+            acc[j] += q[i + j]*k[i + j];
+        }
+    }
+    float sum = 0.0f;
+    for (; i < n; ++i) {
+        sum += q[i]*k[i];
+    }
+    for (int j = 0; j < 8; ++j) {
+        sum += acc[j];
+    }
+    return sum;
+}
+
+// max over n_rows query rows (contiguous, n floats each) of dot(q_r, kb)
 static float kvmem_dot_max(const float * q0, size_t n_rows, const float * kb, size_t n) {
     float best = -INFINITY;
     for (size_t r = 0; r < n_rows; ++r) {
-        const float * q = q0 + r*n;
-        float acc[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
-        size_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-            for (int j = 0; j < 8; ++j) {
-                acc[j] += q[i + j]*kb[i + j];
-            }
-        }
-        float sum = 0.0f;
-        for (; i < n; ++i) {
-            sum += q[i]*kb[i];
-        }
-        for (int j = 0; j < 8; ++j) {
-            sum += acc[j];
-        }
-        best = std::max(best, sum);
+        best = std::max(best, kvmem_dot(q0 + r*n, kb, n));
     }
     return best;
 }
 
 // out[r*n_k + c] = dot(q_r, k_c) for n_rows query rows and n_k key rows of n floats
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
 static void kvmem_dots(const float * q0, size_t n_rows, const float * k0, size_t n_k, size_t n, float * out) {
     for (size_t c = 0; c < n_k; ++c) {
-        const float * k = k0 + c*n;
         for (size_t r = 0; r < n_rows; ++r) {
-            const float * q = q0 + r*n;
-            float acc[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
-            size_t i = 0;
-            for (; i + 8 <= n; i += 8) {
-                for (int j = 0; j < 8; ++j) {
-                    acc[j] += q[i + j]*k[i + j];
-                }
-            }
-            float sum = 0.0f;
-            for (; i < n; ++i) {
-                sum += q[i]*k[i];
-            }
-            for (int j = 0; j < 8; ++j) {
-                sum += acc[j];
-            }
-            out[r*n_k + c] = sum;
+            out[r*n_k + c] = kvmem_dot(q0 + r*n, k0 + c*n, n);
         }
     }
 }

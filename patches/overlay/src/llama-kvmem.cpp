@@ -141,23 +141,12 @@ llama_kvmem_cache::~llama_kvmem_cache() {
     }
 }
 
-// a context that places each ubatch only when it is applied, evicting blocks to make room
-class llama_kvmem_context : public llama_kv_cache_context {
-public:
-    // note: the slot infos are sized by the caller (argument evaluation order is unspecified)
-    llama_kvmem_context(llama_kvmem_cache * km, slot_info_vec_t sinfos, std::vector<llama_ubatch> ubs) :
-        llama_kv_cache_context(km, std::move(sinfos), std::move(ubs)), km(km) {}
-
-    bool apply() override {
-        if (!ubatches.empty() && !km->prepare_ubatch(ubatches[i_cur], sinfos[i_cur])) {
-            return false;
-        }
-        return llama_kv_cache_context::apply();
+bool llama_kvmem_context::apply() {
+    if (!ubatches.empty() && !km->prepare_ubatch(ubatches[i_cur], sinfos[i_cur])) {
+        return false;
     }
-
-private:
-    llama_kvmem_cache * km;
-};
+    return llama_kv_cache_context::apply();
+}
 
 llama_memory_context_ptr llama_kvmem_cache::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {
     GGML_UNUSED(embd_all);
@@ -582,11 +571,9 @@ std::set<int32_t> llama_kvmem_cache::plan_target(llama_seq_id seq_id, seq_state 
         }
     }
     // the newest blocks (those the question already covers count: the window does not grow past them)
-    uint32_t n_newest = 0;
-    for (auto bit = st.blocks.rbegin(); bit != st.blocks.rend() && n_newest < recent_blocks && target.size() < avail; ++bit, ++n_newest) {
-        if (target.insert(bit->first).second) {
-            n_recent++;
-        }
+    for (auto bit = st.blocks.rbegin(); bit != st.blocks.rend() && n_recent < recent_blocks && target.size() < avail; ++bit) {
+        target.insert(bit->first);
+        n_recent++;
     }
 
     std::vector<std::pair<float, int32_t>> ranked;

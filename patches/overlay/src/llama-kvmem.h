@@ -320,6 +320,20 @@ private:
     void publish();
 };
 
+// a llama_kv_cache_context that places each ubatch in the tiered cache only when it is applied (evicting
+// blocks to make room), for plain and hybrid memories
+class llama_kvmem_context : public llama_kv_cache_context {
+public:
+    // note: the slot infos are sized by the caller (argument evaluation order is unspecified)
+    llama_kvmem_context(llama_kvmem_cache * km, slot_info_vec_t sinfos, std::vector<llama_ubatch> ubs) :
+        llama_kv_cache_context(km, std::move(sinfos), std::move(ubs)), km(km) {}
+
+    bool apply() override;
+
+private:
+    llama_kvmem_cache * km;
+};
+
 // outputs of one decode (logits, embeddings, unmasked next-n rows, batch index -> row), kept on the host
 // while the context decodes again, then put back (kvmem recomputes or splits batches)
 struct llama_kvmem_outputs {
