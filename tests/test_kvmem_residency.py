@@ -321,7 +321,7 @@ def _selections(log: str, layers: int, before: int) -> dict[tuple, tuple]:
             if r.get("layers") == layers and r["pos"] < before}
 
 
-def _same_greedy_run(model: Path, args: list[str], spec: list[str], prompt: str, n: int, llama_server) -> tuple:
+def same_greedy_run(model: Path, args: list[str], spec: list[str], prompt: str, n: int, llama_server) -> tuple:
     with llama_server(model, args, timeout=300) as srv:
         plain = complete(srv.url, prompt, n_predict=n, n_probs=2)
         plain_log = srv.log()
@@ -348,7 +348,7 @@ def test_7_draft_simple_with_refresh_and_room_events_keeps_greedy_text(llama_ser
               "line by line.<|im_end|>\n<|im_start|>assistant\n")
     args = ["-c", "4096", "-np", "1", "--kvmem-budget", "768", *SMALL, "--kvmem-gen-reserve", "96",
             "--kvmem-refresh", "8", *TRACE]
-    plain, spec, log, sel, k = _same_greedy_run(target, args, ["--spec-type", "draft-simple", "-md", str(draft)],
+    plain, spec, log, sel, k = same_greedy_run(target, args, ["--spec-type", "draft-simple", "-md", str(draft)],
                                                 prompt, 64, llama_server)
     assert plain["tokens_evaluated"] > 2 * 768
     assert k >= 24 and len([r for r, _ in sel if r == "refresh"]) >= 2, (k, sel.keys())
@@ -363,7 +363,7 @@ def test_7_draft_mtp_with_tiering_keeps_greedy_text(llama_server, qwen35) -> Non
     prompt = " ".join(f"{rng.choice(['alpha', 'beta', 'gamma', 'delta'])}{rng.randint(0, 999)} is "
                       f"{rng.randint(0, 999)}." for _ in range(330))
     args = ["-c", "8192", "-np", "1", "--kvmem-budget", "1024", "--kvmem-refresh", "8", *TRACE]
-    plain, spec, log, sel, k = _same_greedy_run(qwen35["mtp"], args, ["--spec-type", "draft-mtp"], prompt, 48,
+    plain, spec, log, sel, k = same_greedy_run(qwen35["mtp"], args, ["--spec-type", "draft-mtp"], prompt, 48,
                                                 llama_server)
     assert spec["timings"]["draft_n"] > 0
     assert [s for s in turn_selects(log) if s["staged_in"] > 0]
