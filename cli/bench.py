@@ -10,18 +10,7 @@ import click
 
 from kvmem_llama.bench import append_results, load_results, markdown_table, plot, ratios, run_one
 from kvmem_llama.cli.console import console
-from kvmem_llama.engine import list_engines, load_engine
-from kvmem_llama.errors import KvmemError
-
-
-def _resolve_server(engine: str) -> Path:
-    path = Path(engine)
-    if path.is_dir() and (found := load_engine(path)):
-        return found.server
-    for candidate in list_engines():
-        if candidate.key == engine or candidate.key.startswith(engine):
-            return candidate.server
-    raise KvmemError(f"no engine {engine!r}", hint="give an engine key from `kvmem engines` or an engine directory")
+from kvmem_llama.engine import lookup_engine
 
 
 @click.group(invoke_without_command=True)
@@ -44,7 +33,7 @@ def bench(ctx: click.Context, engine: str | None, model: Path | None, config: st
         return
     if not (engine and model and config):
         raise click.UsageError("--engine, --model and --config are required")
-    server = _resolve_server(engine)
+    server = lookup_engine(engine).server
     results = []
     for context in [int(c) for c in contexts.split(",") if c.strip()]:
         console.print(f"[dim]•[/] {config} @ {context:,} tokens …")

@@ -9,8 +9,9 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvmem_llama.build import plan_build, run_build
 from kvmem_llama.cli.console import console, human_bytes
-from kvmem_llama.engine import iter_engine_rows, list_engines, plan_build, remove_engines, run_build
+from kvmem_llama.engine import Engine, engine_size, is_current, list_engines, lookup_engine, remove_engines
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.packaging import SUMS_FILE, install_engine_package, package_engine
 
@@ -57,6 +58,24 @@ def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool, upstream
         console.print(f"[green]built[/] {engine.key} in {engine.info['build_seconds']:.0f} s → {engine.path}")
 
 
+def _engine_row(engine: Engine) -> dict:
+    """What `kvmem engines` shows (and prints as JSON) for one engine."""
+    pin = engine.info.get("pin", {})
+    return {
+        "key": engine.key,
+        "target": engine.target,
+        "sms": ",".join(engine.sms) or "-",
+        "upstream": f"{pin.get('upstream_version', '?')} ({pin.get('upstream_commit', '?')})",
+        "series": engine.info.get("series_hash", "?")[:10],
+        "current": is_current(engine),
+        "upstream_only": engine.upstream_only,
+        "built_at": engine.info.get("built_at", "?"),
+        "build_seconds": engine.info.get("build_seconds"),
+        "size": engine_size(engine),
+        "path": str(engine.path),
+    }
+
+
 @click.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.pass_context
@@ -64,7 +83,7 @@ def engines(ctx: click.Context, as_json: bool) -> None:
     """List the engines in the store with their build info (or install/package one)."""
     if ctx.invoked_subcommand is not None:
         return
-    rows = list(iter_engine_rows())
+    rows = [_engine_row(e) for e in list_engines()]
     if as_json:
         console.print_json(data=rows)
         return
@@ -113,10 +132,9 @@ def engines_rm(keys: tuple[str, ...], stale: bool) -> None:
               show_default=True, help="Where the tarball and SHA256SUMS go.")
 def engines_package(key: str | None, out_dir: Path) -> None:
     """Package an installed engine (default: the newest) as a tarball + SHA256SUMS."""
-    engine = next((e for e in list_engines() if key in (None, e.key)), None)
+    engine = lookup_engine(key) if key else next(iter(list_engines()), None)
     if engine is None:
-        raise KvmemError(f"no engine {key!r} in the store" if key else "no engines in the store",
-                         hint="see `kvmem engines`")
+        raise KvmemError("no engines in the store", hint="build one with `kvmem build`")
     tarball = package_engine(engine, out_dir)
     console.print(f"[green]packaged[/] {tarball} ({human_bytes(tarball.stat().st_size)}); sums: {out_dir / SUMS_FILE}")
 

@@ -8,8 +8,8 @@ import click
 from rich.table import Table
 
 from kvmem_llama import paths
+from kvmem_llama.build import tree_root
 from kvmem_llama.cli.console import console, human_bytes
-from kvmem_llama.engine import tree_key
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.packaging import pack_source, unpack_source
 from kvmem_llama.patches import PATCHES_DIR
@@ -44,7 +44,7 @@ def status(as_json: bool) -> None:
     cache = paths.cache_dir()
     sdist = sdist_path(cache, pin)
     upstream = cache / "upstream" / pin.short
-    patched = cache / "trees" / tree_key(pin, series) / "src"
+    patched = tree_root(pin, series) / "src"
     data = {
         "upstream": f"llama.cpp {pin.upstream_version} (commit {pin.upstream_commit})",
         "carrier": pin.requirement,

@@ -1,32 +1,33 @@
-"""Engines: the pinned llama.cpp plus our series, built for the CPU or for CUDA SMs.
+"""The engine store: built or installed engines (`engines/<key>/{bin,lib,include,licenses}` +
+build-info.json), which one runs on this machine, and the one rule for CUDA compatibility.
 
-pipeline: verified upstream tree -> patched tree (cached by pin + series hash)
-          -> cmake build dir per target (incremental, ccache) -> engine store entry.
+Which GPUs a CUDA engine runs on (kvmem_llama/data/sm_matrix.json lists the targets we build):
+- a target `NN` is compiled as `NN-real`: machine code (SASS) for compute capability N.N and no
+  PTX. CUDA runs such code on a GPU of the same major version with an equal or newer minor, so
+  `86` runs on 8.6, 8.7 and 8.9, but not on 8.0 (older minor) or 9.0 (another major);
+- a target with an `a` suffix (`120a`, consumer Blackwell) is arch-specific: it runs on exactly
+  that compute capability (12.0), not on 12.1;
+- anything else fails at the first kernel with "no kernel image is available for execution on
+  the device", which is why an engine is refused before it starts.
+`kvmem engines install` and `kvmem run` both ask `check_engine_for_gpus`, so they accept and
+refuse the same engines; each matrix target's `runs_on` list says the same in data.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import hashlib
 import json
-import os
-import re
 import shutil
-import subprocess
-import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from kvmem_llama import __version__, paths
-from kvmem_llama.errors import BuildError, KvmemError
-from kvmem_llama.patching import Series, apply_series, load_series
+from kvmem_llama import hardware, paths
+from kvmem_llama.errors import KvmemError
+from kvmem_llama.files import atomic_directory, sha256_file
+from kvmem_llama.patching import Series, load_series
 from kvmem_llama.vendor import Pin, load_pin
-from kvmem_llama.vendor.fetch import sha256_file, upstream_tree
 
-BUILD_TARGETS = ("llama-server", "llama-cli", "llama-bench", "ggml-rpc-server", "llama")
 # installed name -> name in the build's bin/
 INSTALLED_BINARIES = {
     "llama-server": "llama-server",
@@ -34,14 +35,13 @@ INSTALLED_BINARIES = {
     "llama-bench": "llama-bench",
     "rpc-server": "ggml-rpc-server",
 }
-HEADERS = ("include/llama.h", "ggml/include/ggml.h", "ggml/include/ggml-backend.h",
-           "ggml/include/ggml-alloc.h", "ggml/include/ggml-cpu.h", "ggml/include/ggml-opt.h",
-           "ggml/include/gguf.h")
-TREE_MARKER = ".kvmem-tree.json"
-PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
+
+
+# --- the CUDA targets and the compatibility rule ---
 
 
 def sm_matrix() -> list[dict]:
+    """The targets of the prebuilt matrix: sm, cmake arch, cards, minimum driver, runs_on."""
     data = json.loads(resources.files("kvmem_llama").joinpath("data/sm_matrix.json").read_text("utf-8"))
     return data["targets"]
 
@@ -50,175 +50,32 @@ def matrix_sms() -> tuple[str, ...]:
     return tuple(t["sm"] for t in sm_matrix())
 
 
-def parse_sms(spec: str) -> tuple[str, ...]:
-    """`90`, `120` (= 120a), `86,89`, `all` -> normalised SM names from the matrix."""
-    known = matrix_sms()
-    if spec.strip().lower() == "all":
-        return known
-    out: list[str] = []
-    for raw in spec.split(","):
-        sm = raw.strip().lower().removeprefix("sm_").removeprefix("sm")
-        if sm == "120":
-            sm = "120a"  # consumer Blackwell needs the arch-specific target
-        if sm not in known:
-            older = sm.isdigit() and int(sm) < 75
-            why = " (CUDA 13 dropped sm_70 and older)" if older else ""
-            raise BuildError(
-                f"unknown SM {raw.strip()!r}{why}",
-                hint=f"choose from {', '.join(known)}, a comma list, or `all`",
-            )
-        if sm not in out:
-            out.append(sm)
-    return tuple(out)
+def _compute_capability(sm: str) -> tuple[int, int, bool]:
+    """`86` -> (8, 6, False); `120a` -> (12, 0, True): major, minor, arch-specific."""
+    name = sm.strip().lower().removeprefix("sm_")
+    arch_specific = name.endswith("a")
+    number = int(name.rstrip("af"))  # `f` (family) code follows the plain rule
+    return number // 10, number % 10, arch_specific
 
 
-@dataclass(frozen=True)
-class BuildTarget:
-    sms: tuple[str, ...] = ()  # empty = CPU
-
-    @property
-    def is_cuda(self) -> bool:
-        return bool(self.sms)
-
-    @property
-    def name(self) -> str:
-        return "cpu" if not self.sms else "cuda-sm" + "-".join(self.sms)
-
-    @property
-    def cuda_architectures(self) -> str:
-        return ";".join(f"{sm}-real" for sm in self.sms)
+def sm_runs_on(engine_sm: str, gpu_sm: str | None) -> bool:
+    """Does machine code built for `engine_sm` (`86`, `120a`) run on a GPU of `gpu_sm` (`89`, `120`)?"""
+    if not gpu_sm:
+        return False
+    major, minor, arch_specific = _compute_capability(engine_sm)
+    gpu_major, gpu_minor, _ = _compute_capability(gpu_sm)
+    if arch_specific:
+        return (major, minor) == (gpu_major, gpu_minor)
+    return major == gpu_major and minor <= gpu_minor
 
 
-def _first_line(cmd: list[str]) -> str | None:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    text = (out.stdout or out.stderr).strip()
-    return text.splitlines()[0] if text else None
+def build_sm_flag(gpu_sm: str) -> str:
+    """The `kvmem build --sm` value for a GPU."""
+    return "120" if gpu_sm.startswith("12") else gpu_sm
 
 
-def find_compiler() -> str:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)  # type: ignore[return-value]
-    raise BuildError("no C++ compiler found", hint="install one: apt-get install build-essential")
-
-
-def nvcc_version() -> str | None:
-    if not shutil.which("nvcc"):
-        return None
-    out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
-    match = re.search(r"release ([\d.]+)", out)
-    return match.group(1) if match else out.strip().splitlines()[-1]
-
-
-@dataclass
-class Toolchain:
-    compiler: str
-    compiler_version: str
-    cmake: str
-    generator: str
-    ccache: str | None
-    cuda: str | None
-
-    def key(self) -> str:
-        blob = f"{self.compiler_version}|{self.cuda}|{self.generator}"
-        return hashlib.sha256(blob.encode()).hexdigest()[:6]
-
-
-def detect_toolchain(target: BuildTarget, require_cuda: bool = True) -> Toolchain:
-    """Find the tools; `require_cuda=False` lets a dry run print CUDA commands without nvcc."""
-    cmake = shutil.which("cmake")
-    if not cmake:
-        raise BuildError("cmake is not installed", hint="apt-get install cmake (3.14 or newer)")
-    compiler = find_compiler()
-    cuda = None
-    if target.is_cuda:
-        cuda = nvcc_version()
-        if cuda is None and require_cuda:
-            raise BuildError(
-                f"--sm {','.join(target.sms)} needs the CUDA toolkit, but nvcc is not on PATH",
-                hint="install CUDA 13.x (nvcc) or build the CPU engine with plain `kvmem build`",
-            )
-    return Toolchain(
-        compiler=compiler,
-        compiler_version=_first_line([compiler, "--version"]) or "unknown",
-        cmake=cmake,
-        generator="Ninja" if shutil.which("ninja") else "Unix Makefiles",
-        ccache=shutil.which("ccache"),
-        cuda=cuda,
-    )
-
-
-def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, build: Path,
-                         fa_quants: str = "all") -> list[str]:
-    args = [
-        toolchain.cmake, "-S", str(src), "-B", str(build), "-G", toolchain.generator,
-        "-DCMAKE_BUILD_TYPE=Release",
-        f"-DCMAKE_CXX_COMPILER={toolchain.compiler}",
-        "-DBUILD_SHARED_LIBS=ON",
-        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
-        "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF",
-        "-DLLAMA_USE_PREBUILT_UI=OFF",  # no downloads at build time; the server runs without its web UI
-        "-DGGML_RPC=ON",
-        # binaries find their libraries next to them or in ../lib, wherever the engine lives
-        "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN/../lib;$ORIGIN",
-    ]
-    if toolchain.ccache:
-        args += [f"-DCMAKE_C_COMPILER_LAUNCHER={toolchain.ccache}",
-                 f"-DCMAKE_CXX_COMPILER_LAUNCHER={toolchain.ccache}"]
-    if target.is_cuda:
-        args += [
-            "-DGGML_CUDA=ON",
-            f"-DCMAKE_CUDA_ARCHITECTURES={target.cuda_architectures}",
-            # all: q5_0/q8_0 KV with flash attention (the pin's name for FA_ALL_QUANTS); "default" keeps
-            # upstream's smaller set (f16, bf16, q8_0, q4_0 pairs) and builds in about half the time
-            *([] if fa_quants == "default" else [f"-DGGML_CUDA_FA_QUANTS={fa_quants}"]),
-            "-DGGML_NATIVE=OFF",  # CUDA engines are shipped to other hosts
-        ]
-        if toolchain.ccache:
-            args.append(f"-DCMAKE_CUDA_COMPILER_LAUNCHER={toolchain.ccache}")
-    return args
-
-
-def cmake_build_args(toolchain: Toolchain, build: Path, jobs: int) -> list[str]:
-    return [toolchain.cmake, "--build", str(build), "-j", str(jobs), "--target", *BUILD_TARGETS]
-
-
-# --- the patched tree ---
-
-
-def upstream_series() -> Series:
-    """The empty series: the pin exactly as upstream ships it (A/B baselines)."""
-    return Series(Path("(none: upstream)"), [])
-
-
-def tree_key(pin: Pin, series: Series) -> str:
-    return f"{pin.short[:8]}-{series.hash()[:10]}"
-
-
-def patched_tree(pin: Pin, series: Series, log: Callable[[str], None] = print) -> Path:
-    """Upstream + our series, applied once per (pin, series hash) and cached."""
-    root = paths.cache_dir() / "trees" / tree_key(pin, series)
-    src = root / "src"
-    if (src / TREE_MARKER).exists():
-        return src
-    upstream = upstream_tree(paths.cache_dir(), pin, log)
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=".src-"))
-    try:
-        shutil.copytree(upstream, staging, dirs_exist_ok=True)
-        log(f"applying {len(series.names)} patch(es) + {len(series.overlay_files())} overlay file(s)")
-        apply_series(staging, series)
-        marker = {"pin": pin.sha256, "series": series.hash(), "patches": series.names}
-        (staging / TREE_MARKER).write_text(json.dumps(marker, indent=2), encoding="utf-8")
-        if src.exists():
-            shutil.rmtree(src)
-        os.replace(staging, src)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return src
+def _sm_list(sms: Sequence[str]) -> str:
+    return "sm_" + ", sm_".join(sms)
 
 
 # --- engines in the store ---
@@ -241,6 +98,11 @@ class Engine:
     def sms(self) -> list[str]:
         return list(self.info.get("sms", []))
 
+    @property
+    def upstream_only(self) -> bool:
+        """Built from the bare pin, without our series (an A/B baseline)."""
+        return bool(self.info.get("upstream"))
+
     def binary(self, name: str) -> Path:
         return self.path / "bin" / name
 
@@ -255,6 +117,10 @@ class Engine:
     @property
     def include_dir(self) -> Path:
         return self.path / "include"
+
+    def runs_on(self, gpu_sm: str | None) -> bool:
+        """A CPU engine runs anywhere; a CUDA engine where one of its SMs runs on the GPU."""
+        return not self.sms or any(sm_runs_on(sm, gpu_sm) for sm in self.sms)
 
 
 def load_engine(path: Path) -> Engine | None:
@@ -275,19 +141,39 @@ def list_engines() -> list[Engine]:
     return sorted(engines, key=lambda e: e.info.get("built_at", ""), reverse=True)
 
 
-def engine_key(target: BuildTarget, pin: Pin, series: Series, toolchain: Toolchain, fa_quants: str = "all") -> str:
-    """Everything that changes the binaries: target, pin, series, toolchain and our cmake flags."""
-    flags = cmake_configure_args(target, toolchain, Path("src"), Path("build"), fa_quants)
-    digest = hashlib.sha256(f"{toolchain.key()}|{flags}".encode()).hexdigest()[:6]
-    return f"{target.name}-{tree_key(pin, series)}-{digest}"
+def lookup_engine(spec: str) -> Engine:
+    """An engine by key, target (`cuda-sm90`), engine directory, or key prefix (the newest that matches)."""
+    engines = list_engines()
+    found = next((e for e in engines if spec in (e.key, e.target)), None)
+    if found is None and Path(spec).is_dir():
+        found = load_engine(Path(spec))
+    if found is None:
+        found = next((e for e in engines if e.key.startswith(spec)), None)
+    if found is None:
+        raise KvmemError(f"no engine {spec!r}",
+                         hint="give an engine key from `kvmem engines` (or its start), or an engine directory")
+    return found
+
+
+def tree_key(pin: Pin, series: Series) -> str:
+    """Which source an engine is built from: the pin's bytes and the series' hash."""
+    return f"{pin.short[:8]}-{series.hash()[:10]}"
+
+
+def current_tree_key() -> str:
+    return tree_key(load_pin(), load_series())
+
+
+def is_current(engine: Engine) -> bool:
+    """Built from this checkout's pin + series (and not an upstream baseline)?"""
+    return not engine.upstream_only and engine.info.get("tree_key") == current_tree_key()
 
 
 def find_engine(target: str = "cpu", current_only: bool = True) -> Engine | None:
     """The newest engine for `target`; with current_only, only one built from today's pin + series."""
-    pin, series = load_pin(), load_series()
-    wanted = tree_key(pin, series)
+    wanted = current_tree_key()
     for engine in list_engines():
-        if engine.target != target or engine.info.get("upstream"):
+        if engine.target != target or engine.upstream_only:
             continue
         if current_only and engine.info.get("tree_key") != wanted:
             continue
@@ -305,191 +191,32 @@ def require_engine(target: str = "cpu") -> Engine:
     return engine
 
 
-def _install(build: Path, src: Path, dest_root: Path, key: str, info: dict) -> Engine:
-    """Copy binaries, libraries, headers and licenses into the store, atomically."""
-    dest_root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=dest_root, prefix=f".{key}-"))
-    try:
-        (staging / "bin").mkdir()
-        (staging / "lib").mkdir()
-        (staging / "include").mkdir()
-        (staging / "licenses").mkdir()
-        built_bin = build / "bin"
-        for installed, built in INSTALLED_BINARIES.items():
-            shutil.copy2(built_bin / built, staging / "bin" / installed)
-        for lib in sorted(built_bin.glob("*.so*")):
-            shutil.copy2(lib, staging / "lib" / lib.name, follow_symlinks=False)  # keep .so symlinks
-        for header in HEADERS:
-            if (src / header).exists():
-                shutil.copy2(src / header, staging / "include" / Path(header).name)
-        shutil.copy2(src / "LICENSE", staging / "licenses" / "LICENSE-llama.cpp")
-        repo_root = Path(__file__).resolve().parent.parent
-        for ours in ("LICENSE", "NOTICE"):
-            if (repo_root / ours).exists():
-                shutil.copy2(repo_root / ours, staging / "licenses" / f"{ours}-kvmem-llama")
-        info["files"] = {
-            p.relative_to(staging).as_posix(): sha256_file(p)
-            for p in sorted(staging.rglob("*")) if p.is_file()
-        }
-        (staging / "build-info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-        final = dest_root / key
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+def engine_file_hashes(root: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file of an engine directory (what build-info records)."""
+    return {p.relative_to(root).as_posix(): sha256_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def install_engine(key: str, fill: Callable[[Path], None]) -> Engine:
+    """Put an engine into the store as engines/<key>, all or nothing: `fill(staging)` writes its files."""
+    final = paths.engines_dir() / key
+    with atomic_directory(final, prefix=f".{key}-") as staging:
+        fill(staging)
     engine = load_engine(final)
-    assert engine is not None
+    if engine is None:
+        raise KvmemError(f"{final} has no build-info.json after the install")
     return engine
-
-
-@dataclass
-class BuildPlan:
-    target: BuildTarget
-    pin: Pin
-    series: Series
-    toolchain: Toolchain
-    jobs: int
-    upstream: bool = False  # the pin without our series, for A/B benchmarks
-    fa_quants: str = "all"
-
-    @property
-    def key(self) -> str:
-        key = engine_key(self.target, self.pin, self.series, self.toolchain, self.fa_quants)
-        return f"upstream-{key}" if self.upstream else key
-
-    @property
-    def tree_root(self) -> Path:
-        return paths.cache_dir() / "trees" / tree_key(self.pin, self.series)
-
-    @property
-    def src(self) -> Path:
-        return self.tree_root / "src"
-
-    @property
-    def build_dir(self) -> Path:
-        suffix = "" if self.fa_quants == "all" or not self.target.is_cuda else f"-fa-{self.fa_quants}"
-        return self.tree_root / f"build-{self.target.name}{suffix}"
-
-    def configure_args(self) -> list[str]:
-        return cmake_configure_args(self.target, self.toolchain, self.src, self.build_dir, self.fa_quants)
-
-    def build_args(self) -> list[str]:
-        return cmake_build_args(self.toolchain, self.build_dir, self.jobs)
-
-    def log_file(self) -> Path:
-        return self.tree_root / f"build-{self.target.name}.log"
-
-
-def plan_build(sm: str | None = None, jobs: int | None = None, dry_run: bool = False,
-               upstream: bool = False, fa_quants: str = "all") -> BuildPlan:
-    target = BuildTarget(parse_sms(sm) if sm else ())
-    toolchain = detect_toolchain(target, require_cuda=not dry_run)
-    series = upstream_series() if upstream else load_series()
-    return BuildPlan(target, load_pin(), series, toolchain, jobs or os.cpu_count() or 2, upstream, fa_quants)
-
-
-def _ccache_env(plan: BuildPlan) -> dict[str, str]:
-    env = dict(os.environ)
-    # One shared cache; basedir makes hits across trees of different patch hashes.
-    env.setdefault("CCACHE_DIR", str(paths.cache_dir() / "ccache"))
-    env.setdefault("CCACHE_BASEDIR", str(plan.tree_root.parent))
-    env.setdefault("CCACHE_NOHASHDIR", "1")
-    env.setdefault("CCACHE_MAXSIZE", "5G")
-    return env
-
-
-def _run_logged(cmd: list[str], log, env: dict[str, str],
-                on_line: Callable[[str], None] | None = None) -> int:
-    log.write(f"$ {' '.join(cmd)}\n")
-    log.flush()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, bufsize=1, errors="replace")
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            if on_line:
-                on_line(line)
-        return proc.wait()
-    except BaseException:  # Ctrl-C: stop the compiler, keep the build dir for next time
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        raise
-
-
-def _error_lines(log_file: Path, limit: int = 15) -> str:
-    lines = log_file.read_text(encoding="utf-8", errors="replace").splitlines()
-    errors = [ln for ln in lines if re.search(r"error|Error|FAILED|fatal", ln)]
-    return "\n".join((errors or lines)[-limit:])
-
-
-def run_build(plan: BuildPlan, log: Callable[[str], None] = print,
-              progress: Callable[[int, int, str], None] | None = None, force: bool = False) -> tuple[Engine, bool]:
-    """Build and install an engine; returns (engine, was_cached)."""
-    existing = load_engine(paths.engines_dir() / plan.key)
-    if existing and not force and all(existing.binary(b).exists() for b in INSTALLED_BINARIES):
-        return existing, True
-    started = time.monotonic()
-    patched_tree(plan.pin, plan.series, log)
-    plan.build_dir.mkdir(parents=True, exist_ok=True)
-    env = _ccache_env(plan)
-    log_path = plan.log_file()
-    configure = plan.configure_args()
-    args_file = plan.build_dir / ".kvmem-configure-args.json"
-    with open(log_path, "w", encoding="utf-8") as logfh:
-        if not args_file.exists() or json.loads(args_file.read_text()) != configure:
-            log(f"configuring {plan.target.name} ({plan.toolchain.generator})")
-            if (plan.build_dir / "CMakeCache.txt").exists():
-                (plan.build_dir / "CMakeCache.txt").unlink()
-            if _run_logged(configure, logfh, env) != 0:
-                raise BuildError(f"cmake configure failed; full log: {log_path}\n{_error_lines(log_path)}")
-            args_file.write_text(json.dumps(configure))
-
-        def on_line(line: str) -> None:
-            match = PROGRESS.match(line)
-            if match and progress:
-                progress(int(match.group(1)), int(match.group(2)), line[match.end():].strip())
-
-        log(f"building {', '.join(BUILD_TARGETS)} with {plan.jobs} job(s); log: {log_path}")
-        if _run_logged(plan.build_args(), logfh, env, on_line) != 0:
-            raise BuildError(f"build failed; full log: {log_path}\n{_error_lines(log_path)}")
-    info = {
-        "kvmem_version": __version__,
-        "key": plan.key,
-        "upstream": plan.upstream,
-        "target": plan.target.name,
-        "sms": list(plan.target.sms),
-        "cuda_architectures": plan.target.cuda_architectures or None,
-        "pin": {"package": plan.pin.requirement, "sha256": plan.pin.sha256,
-                "upstream_version": plan.pin.upstream_version, "upstream_commit": plan.pin.upstream_commit},
-        "tree_key": tree_key(plan.pin, plan.series),
-        "series_hash": plan.series.hash(),
-        "patches": plan.series.names,
-        "compiler": plan.toolchain.compiler_version,
-        "cuda": plan.toolchain.cuda,
-        "generator": plan.toolchain.generator,
-        "ccache": bool(plan.toolchain.ccache),
-        "cmake_configure": configure,
-        "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "build_seconds": round(time.monotonic() - started, 1),
-    }
-    return _install(plan.build_dir, plan.src, paths.engines_dir(), plan.key, info), False
 
 
 def remove_engines(keys: list[str], stale: bool = False) -> list[str]:
     """Delete engines by key; `stale`: also every engine of ours that is not the newest current one of its target."""
-    current = tree_key(load_pin(), load_series())
+    current = current_tree_key()
     keep: dict[str, str] = {}
     for engine in list_engines():  # newest first
-        if engine.info.get("tree_key") == current and not engine.info.get("upstream"):
+        if engine.info.get("tree_key") == current and not engine.upstream_only:
             keep.setdefault(engine.target, engine.key)
     removed = []
     for engine in list_engines():
-        old = stale and not engine.info.get("upstream") and keep.get(engine.target) != engine.key
+        old = stale and not engine.upstream_only and keep.get(engine.target) != engine.key
         if engine.key in keys or old:
             shutil.rmtree(engine.path)
             removed.append(engine.key)
@@ -503,25 +230,63 @@ def engine_size(engine: Engine) -> int:
     return sum(p.stat().st_size for p in engine.path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def iter_engine_rows() -> Iterator[dict]:
-    current = None
-    try:
-        current = tree_key(load_pin(), load_series())
-    except KvmemError:
-        pass
-    for engine in list_engines():
-        info = engine.info
-        yield {
-            "key": engine.key,
-            "target": engine.target,
-            "sms": ",".join(engine.sms) or "-",
-            "upstream": f"{info.get('pin', {}).get('upstream_version', '?')} "
-                        f"({info.get('pin', {}).get('upstream_commit', '?')})",
-            "series": info.get("series_hash", "?")[:10],
-            "current": info.get("tree_key") == current,
-            "upstream_only": bool(info.get("upstream")),
-            "built_at": info.get("built_at", "?"),
-            "build_seconds": info.get("build_seconds"),
-            "size": engine_size(engine),
-            "path": str(engine.path),
-        }
+# --- which engine runs here ---
+
+
+def _closest(engine: Engine, gpu_sm: str | None) -> int:
+    """The highest of the engine's SMs that runs on the GPU, as a number (86 for 8.6)."""
+    ccs = [_compute_capability(sm) for sm in engine.sms if sm_runs_on(sm, gpu_sm)]
+    return max((major * 10 + minor for major, minor, _ in ccs), default=-1)
+
+
+def check_engine_for_gpus(engine: Engine, gpu_sms: Sequence[str], gpu_name: str = "this GPU") -> None:
+    """Refuse a CUDA engine with no machine code for any of these GPUs: it would die with 'no kernel image'."""
+    if not engine.sms:
+        return  # a CPU engine runs anywhere
+    if not gpu_sms:
+        raise KvmemError(f"engine {engine.key} is a CUDA engine ({_sm_list(engine.sms)}), but no NVIDIA GPU "
+                         "is visible here",
+                         hint="use the CPU engine (`kvmem build`, `--engine cpu`), or check the driver with nvidia-smi")
+    if not any(engine.runs_on(sm) for sm in gpu_sms):
+        raise KvmemError(
+            f"engine {engine.key} holds machine code for {_sm_list(engine.sms)}, but {gpu_name} is "
+            f"{_sm_list(gpu_sms)}: CUDA would fail with 'no kernel image is available for execution on the device'",
+            hint=f"kvmem build --sm {build_sm_flag(gpu_sms[0])}   (or install the package built for that SM)")
+
+
+def check_engine_for_gpu(engine: Engine, hw: hardware.Hardware) -> None:
+    """The same check for the GPU a server will run on."""
+    gpu = hw.gpu()
+    sms = [gpu.sm] if gpu is not None and gpu.sm else []
+    check_engine_for_gpus(engine, sms, f"your {gpu.name}" if gpu is not None else "this GPU")
+
+
+def select_engine(hw: hardware.Hardware, engine: str | None = None) -> Engine:
+    """The engine for this machine: `engine` (a key, "cpu" or "gpu") or the one whose SMs run on the GPU.
+
+    Among the engines that run on the GPU the one built for the nearest SM wins (its own SM first),
+    the newest among equals.
+    """
+    if engine and engine not in ("cpu", "gpu", "auto"):
+        chosen = lookup_engine(engine)
+        check_engine_for_gpu(chosen, hw)
+        return chosen
+    if engine == "cpu" or not hw.has_gpu:
+        if engine == "gpu":
+            raise KvmemError("--engine gpu, but no NVIDIA GPU was found" +
+                             (f" ({hw.nvml_error})" if hw.nvml_error else ""),
+                             hint="check `nvidia-smi`, or run on the CPU engine")
+        return require_engine("cpu")
+    gpu = hw.gpu()
+    assert gpu is not None
+    engines = list_engines()
+    fitting = [e for e in engines if e.sms and e.runs_on(gpu.sm)]
+    fitting.sort(key=lambda e: -_closest(e, gpu.sm))  # the GPU's own SM first, then the nearest older minor
+    for candidate in fitting:
+        current = find_engine(candidate.target)
+        if current is not None:
+            return current
+    others = sorted({sm for e in engines for sm in e.sms})
+    why = f"; the installed CUDA engines are for {_sm_list(others)}" if others else ""
+    raise KvmemError(f"no engine for your {gpu.name} (sm_{gpu.sm}){why}",
+                     hint=f"kvmem build --sm {build_sm_flag(gpu.sm or '?')}   (or run on the CPU with --engine cpu)")

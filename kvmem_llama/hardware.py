@@ -125,23 +125,6 @@ def detect(vram: str | int | None = None, ram: str | int | None = None, gpu_inde
     return hw
 
 
-def sm_matches(engine_sms: list[str] | tuple[str, ...], gpu_sm: str | None) -> bool:
-    """Does a CUDA binary built for `engine_sms` have kernels for a GPU of `gpu_sm`?
-
-    `-real` targets carry SASS for exactly that SM: sm_86 code does not run on sm_89 ("no
-    kernel image is available"). `120a` is the arch-specific target for compute capability 12.0.
-    """
-    if gpu_sm is None:
-        return False
-    wanted = gpu_sm.lower().rstrip("af")
-    return any(sm.lower().rstrip("af") == wanted for sm in engine_sms)
-
-
-def build_sm_flag(gpu_sm: str) -> str:
-    """The `kvmem build --sm` value for a GPU."""
-    return "120" if gpu_sm.startswith("12") else gpu_sm
-
-
 def process_vram(pids: list[int]) -> dict[int, int]:
     """GPU memory in use per pid (compute processes), {} without NVML."""
     try:

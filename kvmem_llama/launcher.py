@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from kvmem_llama import hardware, kvmem_log, planner, servers
-from kvmem_llama.engine import Engine, find_engine, list_engines, require_engine
+from kvmem_llama.engine import Engine, check_engine_for_gpu, list_engines, select_engine  # noqa: F401
 from kvmem_llama.errors import KvmemError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -110,54 +110,6 @@ def supports(help_text: str, flag: str) -> bool:
     import re
 
     return re.search(rf"(^|[\s,]){re.escape(flag)}(?=[\s,=]|$)", help_text, re.MULTILINE) is not None
-
-
-def engine_kind(engine: Engine) -> str:
-    return "cuda" if engine.sms else "cpu"
-
-
-def select_engine(hw: hardware.Hardware, engine: str | None = None) -> Engine:
-    """The engine for this machine: `engine` (a key, "cpu" or "gpu") or the one matching the GPU's SM."""
-    engines = list_engines()
-    if engine and engine not in ("cpu", "gpu", "auto"):
-        chosen = next((e for e in engines if e.key == engine or e.target == engine), None)
-        if chosen is None:
-            raise KvmemError(f"no engine {engine!r}", hint="see `kvmem engines` for the installed ones")
-        check_engine_for_gpu(chosen, hw)
-        return chosen
-    if engine == "cpu" or not hw.has_gpu:
-        if engine == "gpu":
-            raise KvmemError("--engine gpu, but no NVIDIA GPU was found" +
-                             (f" ({hw.nvml_error})" if hw.nvml_error else ""),
-                             hint="check `nvidia-smi`, or run on the CPU engine")
-        return require_engine("cpu")
-    gpu = hw.gpu()
-    assert gpu is not None
-    for candidate in engines:
-        if candidate.sms and hardware.sm_matches(candidate.sms, gpu.sm):
-            current = find_engine(candidate.target)
-            if current is not None:
-                return current
-    others = sorted({sm for e in engines for sm in e.sms})
-    flag = hardware.build_sm_flag(gpu.sm or "?")
-    why = f"; the installed CUDA engines are for sm_{', sm_'.join(others)}" if others else ""
-    raise KvmemError(f"no engine for your {gpu.name} (sm_{gpu.sm}){why}",
-                     hint=f"kvmem build --sm {flag}   (or run on the CPU with --engine cpu)")
-
-
-def check_engine_for_gpu(engine: Engine, hw: hardware.Hardware) -> None:
-    """Refuse a CUDA engine without kernels for this GPU: it would die with 'no kernel image'."""
-    if not engine.sms:
-        return
-    gpu = hw.gpu()
-    if gpu is None:
-        raise KvmemError(f"engine {engine.key} needs an NVIDIA GPU, and none was found",
-                         hint="run with --engine cpu")
-    if not hardware.sm_matches(engine.sms, gpu.sm):
-        raise KvmemError(
-            f"engine {engine.key} is built for sm_{', sm_'.join(engine.sms)}, but your {gpu.name} is sm_{gpu.sm}: "
-            "CUDA would fail with 'no kernel image is available for execution on the device'",
-            hint=f"kvmem build --sm {hardware.build_sm_flag(gpu.sm or '?')}")
 
 
 # --- argv ---

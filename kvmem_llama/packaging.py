@@ -14,19 +14,19 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
 
 import httpx
 
-from kvmem_llama import paths
-from kvmem_llama.engine import TREE_MARKER, Engine, load_engine, patched_tree, tree_key, upstream_series
+from kvmem_llama import hardware
+from kvmem_llama.build import TREE_MARKER, patched_tree, tree_root, upstream_series
+from kvmem_llama.engine import Engine, check_engine_for_gpus, install_engine, load_engine, tree_key
 from kvmem_llama.errors import KvmemError, VerificationError
+from kvmem_llama.files import atomic_directory, sha256_file
 from kvmem_llama.patching import load_series
 from kvmem_llama.vendor import load_pin
-from kvmem_llama.vendor.fetch import sha256_file
 
 # Parts of upstream that no engine build reads (docs, vocab test models, web UI sources, tests, ...).
 PACK_EXCLUDES = ("docs", "models", "media", "benches", ".github", "tests", "examples", "tools/ui/tests",
@@ -75,17 +75,17 @@ def unpack_source(pack: Path) -> Path:
                 f"{pack.name} was made from another pin or patch series than this checkout",
                 hint="make the pack with `kvmem vendor pack` from the same commit",
             )
-        root = paths.cache_dir() / "trees" / tree_key(pin, series)
-        root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=root, prefix=".unpack-"))
-        try:
-            archive.extractall(staging, filter="data")
-            if (root / "src").exists():
-                shutil.rmtree(root / "src")
-            os.replace(staging / "src", root / "src")
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return root / "src"
+        src = tree_root(pin, series) / "src"
+        with atomic_directory(src, prefix=".unpack-") as staging:
+            archive.extractall(staging, filter=_below_src)
+    return src
+
+
+def _below_src(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    """Extract a pack's `src/...` members into the staging directory itself (tarfile's data filter too)."""
+    if member.name == "src" or not member.name.startswith("src/"):
+        return None
+    return tarfile.data_filter(member.replace(name=member.name.removeprefix("src/"), deep=False), dest)
 
 
 # --- engine packages ---
@@ -118,29 +118,6 @@ def read_sums(text: str) -> dict[str, str]:
         if match:
             sums[match.group(2)] = match.group(1)
     return sums
-
-
-def sm_runs_on(engine_sm: str, gpu_sm: str) -> bool:
-    """Whether machine code built for `engine_sm` (e.g. 86, 120a) runs on a GPU of `gpu_sm` (e.g. 89)."""
-    e_arch = engine_sm.endswith("a")
-    e_num = int(engine_sm.rstrip("a"))
-    g_num = int(gpu_sm.rstrip("a"))
-    if e_arch:  # arch-specific code runs on exactly that architecture
-        return e_num == g_num
-    return e_num // 10 == g_num // 10 and e_num <= g_num  # same major, equal or newer minor
-
-
-def gpu_compute_caps() -> list[str]:
-    """Compute capabilities of the GPUs here as SM strings ('90'), via nvidia-smi; [] without GPUs."""
-    if not shutil.which("nvidia-smi"):
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    caps = [line.strip() for line in out.stdout.splitlines()]
-    return [cap.replace(".", "") for cap in caps if re.fullmatch(r"\d+\.\d+", cap)]
 
 
 def _fetch(url: str, dest: Path) -> Path:
@@ -195,33 +172,12 @@ def install_engine_package(source: str, sums: str | None = None, gpu_sms: list[s
             path = engine.path / rel
             if not path.is_file() or sha256_file(path) != digest:
                 raise VerificationError(f"{tarball.name}: {rel} does not match its build-info sha256; not installed")
-        check_sm(engine, gpu_compute_caps() if gpu_sms is None else gpu_sms)
-        dest_root = paths.engines_dir()
-        dest_root.mkdir(parents=True, exist_ok=True)
-        final = dest_root / engine.key
-        staging = dest_root / f".{engine.key}.installing"
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.move(str(engine.path), staging)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-    installed = load_engine(final)
-    assert installed is not None
-    return installed
+        if gpu_sms is None:
+            gpu_sms = [gpu.sm for gpu in hardware.detect_gpus()[0] if gpu.sm]
+        check_engine_for_gpus(engine, gpu_sms)
 
+        def move_in(staging: Path) -> None:
+            for item in engine.path.iterdir():
+                shutil.move(str(item), staging / item.name)
 
-def check_sm(engine: Engine, gpu_sms: list[str]) -> None:
-    """Refuse a CUDA engine that has no machine code for any GPU here."""
-    if not engine.sms:
-        return  # a CPU engine runs anywhere
-    if not gpu_sms:
-        raise KvmemError(
-            f"{engine.key} is a CUDA engine (sm {', '.join(engine.sms)}) but no NVIDIA GPU is visible here",
-            hint="install the CPU engine instead (`kvmem build`), or check the driver with nvidia-smi",
-        )
-    if not any(sm_runs_on(e, g) for e in engine.sms for g in gpu_sms):
-        raise KvmemError(
-            f"{engine.key} holds machine code for sm {', '.join(engine.sms)}, but this GPU is sm {', '.join(gpu_sms)}: "
-            "it would fail with 'no kernel image is available for execution on the device'",
-            hint=f"install the package for sm {gpu_sms[0]} or build it: kvmem build --sm {gpu_sms[0]}",
-        )
+        return install_engine(engine.key, move_in)

@@ -15,7 +15,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from kvmem_llama.engine import parse_sms, plan_build, run_build, sm_matrix
+from kvmem_llama.build import parse_sms, plan_build, run_build
+from kvmem_llama.engine import sm_matrix
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.packaging import package_engine
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmem_llama.engine import BUILD_TARGETS, Engine, matrix_sms, parse_sms
+from kvmem_llama.build import BUILD_TARGETS, parse_sms
+from kvmem_llama.engine import Engine, matrix_sms
 from kvmem_llama.errors import BuildError
 from kvmem_llama.vendor.fetch import sha256_file
 

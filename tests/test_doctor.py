@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvmem_llama import doctor, hardware, launcher
-from kvmem_llama.engine import Engine
+from kvmem_llama.engine import Engine, list_engines
 
 
 def by_name(checks: list[doctor.Check]) -> dict[str, doctor.Check]:
@@ -90,7 +90,7 @@ def test_port_ram_and_architecture_failures(cpu_engine: Engine, smollm2: Path) -
     assert checks["host RAM"].status == "fail" and "do not fit" in checks["host RAM"].detail
     gpu = hardware.Hardware([hardware.GPU(0, "NVIDIA GeForce RTX 4090", "89", 24 << 30, 24 << 30)],
                             64 << 30, 64 << 30, 8, "580.1", "13.0")
-    if not any(hardware.sm_matches(e.sms, "89") for e in launcher.list_engines()):
+    if not any(e.sms and e.runs_on("89") for e in list_engines()):
         arch = by_name(doctor.run_checks(None, port=launcher.free_port(), hw=gpu))["architecture"]
         assert arch.status == "fail" and arch.fix.startswith("kvmem build --sm 89")
 

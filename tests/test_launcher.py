@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from kvmem_llama import hardware, kvmem_log, launcher, planner, servers
-from kvmem_llama.engine import Engine
+from kvmem_llama.engine import Engine, build_sm_flag, list_engines
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.shipped import shipped_model_path
 
@@ -157,16 +157,18 @@ def test_engine_selection_by_sm(cpu_engine: Engine) -> None:
     gpu_hw = hardware.Hardware([hardware.GPU(0, "NVIDIA GeForce RTX 4090", "89", 24 << 30, 24 << 30)], 1, 1)
     assert launcher.select_engine(cpu_hw()).key == cpu_engine.key
     assert launcher.select_engine(gpu_hw, "cpu").key == cpu_engine.key
-    if not any(hardware.sm_matches(e.sms, "89") for e in launcher.list_engines()):
+    if not any(e.sms and e.runs_on("89") for e in list_engines()):
         with pytest.raises(KvmemError) as err:
             launcher.select_engine(gpu_hw)
         assert err.value.hint.startswith("kvmem build --sm 89")
-    sm86 = Engine(cpu_engine.path, {**cpu_engine.info, "sms": ["86"], "target": "cuda-sm86"})
+    sm89 = Engine(cpu_engine.path, {**cpu_engine.info, "sms": ["89"], "target": "cuda-sm89"})
+    ampere = hardware.Hardware([hardware.GPU(0, "NVIDIA GeForce RTX 3090", "86", 24 << 30, 24 << 30)], 1, 1)
     with pytest.raises(KvmemError, match="no kernel image"):
-        launcher.check_engine_for_gpu(sm86, gpu_hw)
+        launcher.check_engine_for_gpu(sm89, ampere)  # 8.9 code does not run on an older minor
+    launcher.check_engine_for_gpu(Engine(cpu_engine.path, {"sms": ["86"]}), gpu_hw)  # 8.6 code runs on 8.9
     blackwell = hardware.Hardware([hardware.GPU(0, "RTX 5060 Ti", "120", 16 << 30, 16 << 30)], 1, 1)
     launcher.check_engine_for_gpu(Engine(cpu_engine.path, {"sms": ["120a"]}), blackwell)  # 120a runs on 12.0
-    assert hardware.build_sm_flag("120") == "120"
+    assert build_sm_flag("120") == "120"
     with pytest.raises(KvmemError, match="no NVIDIA GPU"):
         launcher.select_engine(cpu_hw(), "gpu")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmem_llama.engine import Engine, load_engine
+from kvmem_llama.engine import Engine, load_engine, sm_runs_on
 from kvmem_llama.errors import KvmemError, VerificationError
 from kvmem_llama.packaging import (
     SUMS_FILE,
@@ -23,7 +23,6 @@ from kvmem_llama.packaging import (
     pack_source,
     package_engine,
     read_sums,
-    sm_runs_on,
     unpack_source,
     write_sums,
 )

@@ -1,0 +1,377 @@
+"""Building engines: the pinned llama.cpp plus our series, compiled for the CPU or for CUDA SMs.
+
+pipeline: verified upstream tree -> patched tree (cached by pin + series hash)
+          -> cmake build dir per target (incremental, ccache) -> engine store entry (kvmem_llama.engine).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmem_llama import __version__, paths
+from kvmem_llama.engine import (
+    INSTALLED_BINARIES,
+    Engine,
+    engine_file_hashes,
+    install_engine,
+    load_engine,
+    matrix_sms,
+    tree_key,
+)
+from kvmem_llama.errors import BuildError
+from kvmem_llama.files import atomic_directory
+from kvmem_llama.patching import Series, apply_series, load_series
+from kvmem_llama.vendor import Pin, load_pin
+from kvmem_llama.vendor.fetch import upstream_tree
+
+BUILD_TARGETS = ("llama-server", "llama-cli", "llama-bench", "ggml-rpc-server", "llama")
+HEADERS = ("include/llama.h", "ggml/include/ggml.h", "ggml/include/ggml-backend.h",
+           "ggml/include/ggml-alloc.h", "ggml/include/ggml-cpu.h", "ggml/include/ggml-opt.h",
+           "ggml/include/gguf.h")
+TREE_MARKER = ".kvmem-tree.json"
+PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
+
+
+def parse_sms(spec: str) -> tuple[str, ...]:
+    """`90`, `120` (= 120a), `86,89`, `all` -> normalised SM names from the matrix."""
+    known = matrix_sms()
+    if spec.strip().lower() == "all":
+        return known
+    out: list[str] = []
+    for raw in spec.split(","):
+        sm = raw.strip().lower().removeprefix("sm_").removeprefix("sm")
+        if sm == "120":
+            sm = "120a"  # consumer Blackwell needs the arch-specific target
+        if sm not in known:
+            older = sm.isdigit() and int(sm) < 75
+            why = " (CUDA 13 dropped sm_70 and older)" if older else ""
+            raise BuildError(
+                f"unknown SM {raw.strip()!r}{why}",
+                hint=f"choose from {', '.join(known)}, a comma list, or `all`",
+            )
+        if sm not in out:
+            out.append(sm)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BuildTarget:
+    sms: tuple[str, ...] = ()  # empty = CPU
+
+    @property
+    def is_cuda(self) -> bool:
+        return bool(self.sms)
+
+    @property
+    def name(self) -> str:
+        return "cpu" if not self.sms else "cuda-sm" + "-".join(self.sms)
+
+    @property
+    def cuda_architectures(self) -> str:
+        return ";".join(f"{sm}-real" for sm in self.sms)
+
+
+def _first_line(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = (out.stdout or out.stderr).strip()
+    return text.splitlines()[0] if text else None
+
+
+def find_compiler() -> str:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)  # type: ignore[return-value]
+    raise BuildError("no C++ compiler found", hint="install one: apt-get install build-essential")
+
+
+def nvcc_version() -> str | None:
+    if not shutil.which("nvcc"):
+        return None
+    out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
+    match = re.search(r"release ([\d.]+)", out)
+    return match.group(1) if match else out.strip().splitlines()[-1]
+
+
+@dataclass
+class Toolchain:
+    compiler: str
+    compiler_version: str
+    cmake: str
+    generator: str
+    ccache: str | None
+    cuda: str | None
+
+    def key(self) -> str:
+        blob = f"{self.compiler_version}|{self.cuda}|{self.generator}"
+        return hashlib.sha256(blob.encode()).hexdigest()[:6]
+
+
+def detect_toolchain(target: BuildTarget, require_cuda: bool = True) -> Toolchain:
+    """Find the tools; `require_cuda=False` lets a dry run print CUDA commands without nvcc."""
+    cmake = shutil.which("cmake")
+    if not cmake:
+        raise BuildError("cmake is not installed", hint="apt-get install cmake (3.14 or newer)")
+    compiler = find_compiler()
+    cuda = None
+    if target.is_cuda:
+        cuda = nvcc_version()
+        if cuda is None and require_cuda:
+            raise BuildError(
+                f"--sm {','.join(target.sms)} needs the CUDA toolkit, but nvcc is not on PATH",
+                hint="install CUDA 13.x (nvcc) or build the CPU engine with plain `kvmem build`",
+            )
+    return Toolchain(
+        compiler=compiler,
+        compiler_version=_first_line([compiler, "--version"]) or "unknown",
+        cmake=cmake,
+        generator="Ninja" if shutil.which("ninja") else "Unix Makefiles",
+        ccache=shutil.which("ccache"),
+        cuda=cuda,
+    )
+
+
+def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, build: Path,
+                         fa_quants: str = "all") -> list[str]:
+    args = [
+        toolchain.cmake, "-S", str(src), "-B", str(build), "-G", toolchain.generator,
+        "-DCMAKE_BUILD_TYPE=Release",
+        f"-DCMAKE_CXX_COMPILER={toolchain.compiler}",
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
+        "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",  # no downloads at build time; the server runs without its web UI
+        "-DGGML_RPC=ON",
+        # binaries find their libraries next to them or in ../lib, wherever the engine lives
+        "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN/../lib;$ORIGIN",
+    ]
+    if toolchain.ccache:
+        args += [f"-DCMAKE_C_COMPILER_LAUNCHER={toolchain.ccache}",
+                 f"-DCMAKE_CXX_COMPILER_LAUNCHER={toolchain.ccache}"]
+    if target.is_cuda:
+        args += [
+            "-DGGML_CUDA=ON",
+            f"-DCMAKE_CUDA_ARCHITECTURES={target.cuda_architectures}",
+            # all: q5_0/q8_0 KV with flash attention (the pin's name for FA_ALL_QUANTS); "default" keeps
+            # upstream's smaller set (f16, bf16, q8_0, q4_0 pairs) and builds in about half the time
+            *([] if fa_quants == "default" else [f"-DGGML_CUDA_FA_QUANTS={fa_quants}"]),
+            "-DGGML_NATIVE=OFF",  # CUDA engines are shipped to other hosts
+        ]
+        if toolchain.ccache:
+            args.append(f"-DCMAKE_CUDA_COMPILER_LAUNCHER={toolchain.ccache}")
+    return args
+
+
+def cmake_build_args(toolchain: Toolchain, build: Path, jobs: int) -> list[str]:
+    return [toolchain.cmake, "--build", str(build), "-j", str(jobs), "--target", *BUILD_TARGETS]
+
+
+# --- the patched tree ---
+
+
+def upstream_series() -> Series:
+    """The empty series: the pin exactly as upstream ships it (A/B baselines)."""
+    return Series(Path("(none: upstream)"), [])
+
+
+def tree_root(pin: Pin, series: Series) -> Path:
+    """The cache slot of one (pin, series): the patched tree in src/, build dirs and logs beside it."""
+    return paths.cache_dir() / "trees" / tree_key(pin, series)
+
+
+def patched_tree(pin: Pin, series: Series, log: Callable[[str], None] = print) -> Path:
+    """Upstream + our series, applied once per (pin, series hash) and cached."""
+    src = tree_root(pin, series) / "src"
+    if (src / TREE_MARKER).exists():
+        return src
+    upstream = upstream_tree(paths.cache_dir(), pin, log)
+    with atomic_directory(src, prefix=".src-") as staging:
+        shutil.copytree(upstream, staging, dirs_exist_ok=True)
+        log(f"applying {len(series.names)} patch(es) + {len(series.overlay_files())} overlay file(s)")
+        apply_series(staging, series)
+        marker = {"pin": pin.sha256, "series": series.hash(), "patches": series.names}
+        (staging / TREE_MARKER).write_text(json.dumps(marker, indent=2), encoding="utf-8")
+    return src
+
+
+def engine_key(target: BuildTarget, pin: Pin, series: Series, toolchain: Toolchain, fa_quants: str = "all") -> str:
+    """Everything that changes the binaries: target, pin, series, toolchain and our cmake flags."""
+    flags = cmake_configure_args(target, toolchain, Path("src"), Path("build"), fa_quants)
+    digest = hashlib.sha256(f"{toolchain.key()}|{flags}".encode()).hexdigest()[:6]
+    return f"{target.name}-{tree_key(pin, series)}-{digest}"
+
+
+def _install(build: Path, src: Path, key: str, info: dict) -> Engine:
+    """Copy binaries, libraries, headers and licenses into the engine store, all or nothing."""
+
+    def fill(staging: Path) -> None:
+        for sub in ("bin", "lib", "include", "licenses"):
+            (staging / sub).mkdir()
+        built_bin = build / "bin"
+        for installed, built in INSTALLED_BINARIES.items():
+            shutil.copy2(built_bin / built, staging / "bin" / installed)
+        for lib in sorted(built_bin.glob("*.so*")):
+            shutil.copy2(lib, staging / "lib" / lib.name, follow_symlinks=False)  # keep .so symlinks
+        for header in HEADERS:
+            if (src / header).exists():
+                shutil.copy2(src / header, staging / "include" / Path(header).name)
+        shutil.copy2(src / "LICENSE", staging / "licenses" / "LICENSE-llama.cpp")
+        repo_root = Path(__file__).resolve().parent.parent
+        for ours in ("LICENSE", "NOTICE"):
+            if (repo_root / ours).exists():
+                shutil.copy2(repo_root / ours, staging / "licenses" / f"{ours}-kvmem-llama")
+        info["files"] = engine_file_hashes(staging)
+        (staging / "build-info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+
+    return install_engine(key, fill)
+
+
+@dataclass
+class BuildPlan:
+    target: BuildTarget
+    pin: Pin
+    series: Series
+    toolchain: Toolchain
+    jobs: int
+    upstream: bool = False  # the pin without our series, for A/B benchmarks
+    fa_quants: str = "all"
+
+    @property
+    def key(self) -> str:
+        key = engine_key(self.target, self.pin, self.series, self.toolchain, self.fa_quants)
+        return f"upstream-{key}" if self.upstream else key
+
+    @property
+    def tree_root(self) -> Path:
+        return tree_root(self.pin, self.series)
+
+    @property
+    def src(self) -> Path:
+        return self.tree_root / "src"
+
+    @property
+    def build_dir(self) -> Path:
+        suffix = "" if self.fa_quants == "all" or not self.target.is_cuda else f"-fa-{self.fa_quants}"
+        return self.tree_root / f"build-{self.target.name}{suffix}"
+
+    def configure_args(self) -> list[str]:
+        return cmake_configure_args(self.target, self.toolchain, self.src, self.build_dir, self.fa_quants)
+
+    def build_args(self) -> list[str]:
+        return cmake_build_args(self.toolchain, self.build_dir, self.jobs)
+
+    def log_file(self) -> Path:
+        return self.tree_root / f"build-{self.target.name}.log"
+
+
+def plan_build(sm: str | None = None, jobs: int | None = None, dry_run: bool = False,
+               upstream: bool = False, fa_quants: str = "all") -> BuildPlan:
+    target = BuildTarget(parse_sms(sm) if sm else ())
+    toolchain = detect_toolchain(target, require_cuda=not dry_run)
+    series = upstream_series() if upstream else load_series()
+    return BuildPlan(target, load_pin(), series, toolchain, jobs or os.cpu_count() or 2, upstream, fa_quants)
+
+
+def _ccache_env(plan: BuildPlan) -> dict[str, str]:
+    env = dict(os.environ)
+    # One shared cache; basedir makes hits across trees of different patch hashes.
+    env.setdefault("CCACHE_DIR", str(paths.cache_dir() / "ccache"))
+    env.setdefault("CCACHE_BASEDIR", str(plan.tree_root.parent))
+    env.setdefault("CCACHE_NOHASHDIR", "1")
+    env.setdefault("CCACHE_MAXSIZE", "5G")
+    return env
+
+
+def _run_logged(cmd: list[str], log, env: dict[str, str],
+                on_line: Callable[[str], None] | None = None) -> int:
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, bufsize=1, errors="replace")
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            if on_line:
+                on_line(line)
+        return proc.wait()
+    except BaseException:  # Ctrl-C: stop the compiler, keep the build dir for next time
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+
+
+def _error_lines(log_file: Path, limit: int = 15) -> str:
+    lines = log_file.read_text(encoding="utf-8", errors="replace").splitlines()
+    errors = [ln for ln in lines if re.search(r"error|Error|FAILED|fatal", ln)]
+    return "\n".join((errors or lines)[-limit:])
+
+
+def run_build(plan: BuildPlan, log: Callable[[str], None] = print,
+              progress: Callable[[int, int, str], None] | None = None, force: bool = False) -> tuple[Engine, bool]:
+    """Build and install an engine; returns (engine, was_cached)."""
+    existing = load_engine(paths.engines_dir() / plan.key)
+    if existing and not force and all(existing.binary(b).exists() for b in INSTALLED_BINARIES):
+        return existing, True
+    started = time.monotonic()
+    patched_tree(plan.pin, plan.series, log)
+    plan.build_dir.mkdir(parents=True, exist_ok=True)
+    env = _ccache_env(plan)
+    log_path = plan.log_file()
+    configure = plan.configure_args()
+    args_file = plan.build_dir / ".kvmem-configure-args.json"
+    with open(log_path, "w", encoding="utf-8") as logfh:
+        if not args_file.exists() or json.loads(args_file.read_text()) != configure:
+            log(f"configuring {plan.target.name} ({plan.toolchain.generator})")
+            if (plan.build_dir / "CMakeCache.txt").exists():
+                (plan.build_dir / "CMakeCache.txt").unlink()
+            if _run_logged(configure, logfh, env) != 0:
+                raise BuildError(f"cmake configure failed; full log: {log_path}\n{_error_lines(log_path)}")
+            args_file.write_text(json.dumps(configure))
+
+        def on_line(line: str) -> None:
+            match = PROGRESS.match(line)
+            if match and progress:
+                progress(int(match.group(1)), int(match.group(2)), line[match.end():].strip())
+
+        log(f"building {', '.join(BUILD_TARGETS)} with {plan.jobs} job(s); log: {log_path}")
+        if _run_logged(plan.build_args(), logfh, env, on_line) != 0:
+            raise BuildError(f"build failed; full log: {log_path}\n{_error_lines(log_path)}")
+    info = {
+        "kvmem_version": __version__,
+        "key": plan.key,
+        "upstream": plan.upstream,
+        "target": plan.target.name,
+        "sms": list(plan.target.sms),
+        "cuda_architectures": plan.target.cuda_architectures or None,
+        "pin": {"package": plan.pin.requirement, "sha256": plan.pin.sha256,
+                "upstream_version": plan.pin.upstream_version, "upstream_commit": plan.pin.upstream_commit},
+        "tree_key": tree_key(plan.pin, plan.series),
+        "series_hash": plan.series.hash(),
+        "patches": plan.series.names,
+        "compiler": plan.toolchain.compiler_version,
+        "cuda": plan.toolchain.cuda,
+        "generator": plan.toolchain.generator,
+        "ccache": bool(plan.toolchain.ccache),
+        "cmake_configure": configure,
+        "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "build_seconds": round(time.monotonic() - started, 1),
+    }
+    return _install(plan.build_dir, plan.src, plan.key, info), False
+
+
