@@ -15,35 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-
-def start(server: str, model: str, args: list[str], log: Path, port: int) -> subprocess.Popen:
-    cmd = [server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", "1", "--no-webui", *args]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {log.read_text()[-1500:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server not ready")
+from kvmem_llama.serving.process import ServerProcess, start_llama_server
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def start(server: str, model: str, args: list[str], log: Path, port: int) -> ServerProcess:
+    return start_llama_server(server, model, ["-np", "1", "--no-webui", *args], log, port=port, timeout=120)
 
 
 def complete(port: int, prompt: str | list[int], n: int) -> dict:
@@ -83,13 +64,10 @@ def main() -> int:
     prompt = "Here is a long story about a lighthouse keeper. " + " ".join(SENTENCES * 120) + " The keeper said:"
     outputs = {}
     for label, flags in (("off", []), ("on-budget-8192", ["--kvmem-budget", "8192", "--kvmem-block", "128"])):
-        proc = start(args.server, args.model, base + flags, args.out / f"identity-{label}.log", args.port)
-        try:
+        with start(args.server, args.model, base + flags, args.out / f"identity-{label}.log", args.port):
             reply = complete(args.port, prompt, 32)
             outputs[label] = reply["tokens"]
             results["identity"][label] = {"prompt_tokens": reply["timings"]["prompt_n"], "tokens": reply["tokens"]}
-        finally:
-            stop(proc)
     same = outputs["off"] == outputs["on-budget-8192"]
     results["identity"]["equal"] = same
     ok &= same
@@ -107,8 +85,7 @@ def main() -> int:
     for method in ("full-kv", "retrieval", "recency"):
         tiering = ["--kvmem-budget", str(args.budget), *SMALL_BLOCKS, "--kvmem-method", method]
         flags = [] if method == "full-kv" else tiering
-        proc = start(args.server, args.model, base + flags, args.out / f"needle-{method}.log", args.port)
-        try:
+        with start(args.server, args.model, base + flags, args.out / f"needle-{method}.log", args.port):
             for depth, key, number in cases:
                 answer = complete(args.port, haystack_prompt(1500, depth, key, number), 12)["content"]
                 found = number in answer
@@ -117,8 +94,6 @@ def main() -> int:
                     ok &= found
                 print(f"needle {method:9s} depth {int(depth * 100):2d}%: {'found' if found else 'MISSED'} "
                       f"({answer.strip()[:60]!r})")
-        finally:
-            stop(proc)
     selects = [ln for ln in (args.out / "needle-retrieval.log").read_text().splitlines() if "kvmem_score: SELECT" in ln]
     results["select_lines"] = selects[-6:]
     (args.out / "gpu_checks.json").write_text(json.dumps(results, indent=2))

@@ -21,7 +21,7 @@ from rich.table import Table
 from kvmem_llama import models
 from kvmem_llama.cli.console import console, err_console, human_bytes
 from kvmem_llama.errors import KvmemError
-from kvmem_llama.models import catalog, hf_cache, store
+from kvmem_llama.models import hf_cache, store
 from kvmem_llama.models.download import Progress
 
 
@@ -157,11 +157,9 @@ def verify_cmd(names: tuple[str, ...]) -> None:
     failed = []
     for rec in recs:
         assert rec is not None
-        entry = next((e for a in rec.aliases if (e := catalog.lookup(a)) and e.sha256), None)
-        expected = entry.sha256 if entry else None
         try:
             with RichProgress() as progress:
-                store.verify(rec, progress, expected=expected)
+                store.verify(rec, progress)
             console.print(f"[green]ok[/] {rec.name}  sha256 {rec.sha256}")
         except KvmemError as exc:
             failed.append(rec.name)
@@ -178,14 +176,13 @@ def verify_cmd(names: tuple[str, ...]) -> None:
 @click.option("--sha256", default=None, help="expected sha256; refuse the file if it differs")
 def import_cmd(path: Path, aliases: tuple[str, ...], sha256: str | None) -> None:
     """Add a local GGUF file to the store (hard link when possible, else copy; hash recorded)."""
-    for a in aliases:
-        if not catalog.ALIAS_RE.match(a.lower()):
-            raise KvmemError(f"invalid alias {a!r}", hint="lower-case letters, digits and . _ : + -")
     with RichProgress() as progress:
-        rec = store.import_file(path, aliases=list(aliases), progress=progress,
-                                sha256=sha256.lower() if sha256 else None)
+        rec = store.import_file(path, aliases=list(aliases), progress=progress, sha256=sha256)
     console.print(f"[green]ok[/] imported {path} -> {rec.path} ({rec.source.get('how', 'already stored')}, "
                   f"sha256 {rec.sha256[:16]}…)")
+
+
+INSPECT_CACHE_TYPES = ("f16", "q8_0", "q5_0", "q4_0")  # the rows of the table; --json has every type
 
 
 def _fmt_kv(b: float) -> str:
@@ -202,13 +199,11 @@ def inspect_cmd(name: str, as_json: bool) -> None:
     only the layers that keep a KV cache (attention layers; recurrent layers of hybrid
     models such as qwen35 have a fixed-size state instead).
     """
-    path = Path(name).expanduser()
-    target = path if path.is_file() else models.resolve_model(name).path
-    info = models.model_info(target)
+    info = models.model_info(models.resolve_model(name).path)
     if as_json:
         click.echo(json.dumps(info.to_json(), indent=2, ensure_ascii=False))
         return
-    t = Table(title=str(target), show_header=False)
+    t = Table(title=info.path, show_header=False)
     t.add_column("key", style="bold")
     t.add_column("value", overflow="fold")
     rope = ", ".join(f"{k}={v}" for k, v in info.rope.items()) or "-"
@@ -226,11 +221,14 @@ def inspect_cmd(name: str, as_json: bool) -> None:
         ("quant mix", ", ".join(f"{k}: {v['tensors']} tensors {human_bytes(v['bytes'])}"
                                 for k, v in info.quant_mix.items())),
     ]
-    for k, v in info.kv_bytes_per_token.items():
+    shown = [k for k in INSPECT_CACHE_TYPES if k in info.kv_bytes_per_token]
+    for k in shown:
+        v = info.kv_bytes_per_token[k]
         at = f"{human_bytes(v * 32768)} @32K, {human_bytes(v * 262144)} @256K"
         rows.append((f"KV/token {k}", f"{_fmt_kv(v)}  ({at})"))
     if info.swa_layers:
-        for k, v in info.kv_bytes_per_token_full_attention.items():
+        for k in shown:
+            v = info.kv_bytes_per_token_full_attention[k]
             rows.append((f"KV/token {k} past window", f"{_fmt_kv(v)}  (full-attention layers only)"))
     for k, v in rows:
         t.add_row(k, v)

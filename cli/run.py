@@ -2,31 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import signal
 import sys
 import time
-from pathlib import Path
+from dataclasses import asdict
 
 import click
 from rich.table import Table
 
-from kvmem_llama import hardware, launcher, planner, servers
+from kvmem_llama import doctor, hardware, planner
 from kvmem_llama.cli.console import console, err_console, human_bytes
+from kvmem_llama.engine import select_engine
 from kvmem_llama.errors import KvmemError
+from kvmem_llama.models.gguf_info import CACHE_TYPES as KV_TYPES
+from kvmem_llama.serving import argv, launch, process, registry
 
-CACHE_TYPES = click.Choice(sorted(planner.CACHE_TYPES))
-
-
-def _size_or_none(value: str | None) -> int | None:
-    return hardware.parse_size(value) if value else None
+CACHE_TYPES = click.Choice(sorted(KV_TYPES))
 
 
 def _plan_table(plan: planner.Plan) -> Table:
     prof = plan.profile
-    table = Table(title=f"plan for {plan.model.name} ({plan.model.arch}) on the {prof.device.upper()}",
+    table = Table(title=f"plan for {plan.label} ({plan.model.arch}) on the {prof.device.upper()}",
                   show_header=True, header_style="bold")
     table.add_column("item")
     table.add_column("size", justify="right")
@@ -38,20 +38,20 @@ def _plan_table(plan: planner.Plan) -> Table:
 
 def _profile_table(plan: planner.Plan) -> Table:
     prof = plan.profile
-    shape = plan.model
+    info = plan.model
     table = Table(title="profile", show_header=False)
     table.add_column("key", style="bold")
     table.add_column("value")
-    table.add_row("context", f"{prof.ctx:,} tokens (trained: {shape.n_ctx_train:,})")
+    table.add_row("context", f"{prof.ctx:,} tokens (trained: {info.native_ctx or 0:,})")
     table.add_row("KV per token", f"{plan.kv_per_token.get(prof.ctk, 0):,} B at {prof.ctk}; "
-                  f"{shape.attention_layers} of {shape.n_layer} layers hold KV "
-                  f"({max(shape.kv_heads)} KV heads x {shape.head_dim_k} dims)")
+                  f"{info.n_attention_layers} of {info.n_layers} layers hold KV "
+                  f"({info.n_kv_heads} KV heads x {info.head_dim_k} dims)")
     table.add_row("cache types", f"-ctk {prof.ctk} -ctv {prof.ctv}")
     table.add_row("kvmem budget", f"{prof.budget:,} tokens on the GPU (gen reserve {prof.gen_reserve:,}, "
                   f"host pool {prof.host_mib:,} MiB)" if prof.budget else "0 (tiering off: the whole KV fits)")
     table.add_row("draft-mtp", "on" if prof.draft_mtp else "off")
     if prof.n_gpu_layers is not None:
-        table.add_row("GPU layers", f"{prof.n_gpu_layers} of {shape.n_layer}")
+        table.add_row("GPU layers", f"{prof.n_gpu_layers} of {info.n_layers}")
     return table
 
 
@@ -79,10 +79,8 @@ def plan_cmd(model: str | None, vram: str | None, ram: str | None, ctx: int | No
     Reads the GGUF header and the hardware (NVML, psutil) and picks a profile: context,
     --kvmem-budget, gen reserve, KV cache types, host pool size and the MTP draft.
     """
-    resolved = launcher.resolve_model(model)
     hw = hardware.detect(vram, ram, gpu_index)
-    shape = planner.shape_from_gguf(resolved.path, name=resolved.alias)
-    result = planner.plan(shape, hw, ctx=ctx, ctk=ctk, ctv=ctv, draft_mtp=draft_mtp, gpu_index=gpu_index)
+    result = planner.plan_model(model, hw, ctx=ctx, ctk=ctk, ctv=ctv, draft_mtp=draft_mtp, gpu_index=gpu_index)
     if as_json:
         data = result.to_dict()
         data["hardware"] = hw.to_dict()
@@ -109,11 +107,11 @@ def _split_model(model: str | None, server_args: tuple[str, ...]) -> tuple[str |
 @click.option("--ctx", type=click.IntRange(256), help="Context in tokens (default: from the plan).")
 @click.option("--ctk", type=CACHE_TYPES, help="K cache type (default: from the plan).")
 @click.option("--ctv", type=CACHE_TYPES, help="V cache type (default: same as --ctk).")
-@click.option("--mode", type=click.Choice(sorted(launcher.SAMPLING_PROFILES)), default="chat", show_default=True,
+@click.option("--mode", type=click.Choice(sorted(argv.SAMPLING_PROFILES)), default="chat", show_default=True,
               help="Sampling defaults: chat (temp 0.7, top-p 0.9, top-k 20) or tool (temp 0.2, top-p 0.8, "
                    "top-k 20, presence 0.05: agents stop repeating failed calls).")
-@click.option("--port", default=str(launcher.DEFAULT_PORT), show_default=True, help="Port, or `auto` for a free one.")
-@click.option("--host", default=launcher.DEFAULT_HOST, show_default=True, help="Address to listen on.")
+@click.option("--port", default=str(launch.DEFAULT_PORT), show_default=True, help="Port, or `auto` for a free one.")
+@click.option("--host", default=launch.DEFAULT_HOST, show_default=True, help="Address to listen on.")
 @click.option("--name", help="Server name for ps/stop/logs (default: the model id).")
 @click.option("--detach", "-d", is_flag=True, help="Run in the background (own session); see `kvmem ps`.")
 @click.option("--engine", help="Engine key from `kvmem engines`, or `cpu` (default: the one for your GPU).")
@@ -145,7 +143,7 @@ def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ct
     def confirm(message: str) -> bool:
         return yes or click.confirm(message, default=True, err=True)
 
-    lp = launcher.prepare(model, extra_args=extra, ctx=ctx, port=port, host=host, mode=mode, ctk=ctk, ctv=ctv,
+    lp = launch.prepare(model, extra_args=extra, ctx=ctx, port=port, host=host, mode=mode, ctk=ctk, ctv=ctv,
                           engine=engine, rpc=rpc, pull=True, confirm=confirm, draft_mtp=draft_mtp)
     _print_warnings(lp.notes, lp.plan.fixes)
     if dry_run:
@@ -165,7 +163,7 @@ def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ct
             except OSError:
                 return  # console gone (closed pipe): the log file still has every line
 
-    handle = launcher.launch(lp, name=name, detach=detach, on_line=None if (quiet or detach) else echo)
+    handle = launch.launch(lp, name=name, detach=detach, on_line=None if (quiet or detach) else echo)
 
     def on_sigterm(_signum, _frame) -> None:
         raise KeyboardInterrupt  # stop the server the same way as Ctrl-C
@@ -211,11 +209,11 @@ def serve_cmd(ctx: click.Context) -> None:
     `kvmem serve --help` prints llama-server's own help; the exit code is llama-server's.
     """
     hw = hardware.detect()
-    engine = launcher.select_engine(hw, os.environ.get("KVMEM_ENGINE") or None)
-    argv = [str(engine.server), *ctx.args]
+    engine = select_engine(hw, os.environ.get("KVMEM_ENGINE") or None)
+    command = [str(engine.server), *ctx.args]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(argv[0], argv)  # same pid, signals and exit code as running llama-server directly
+    os.execv(command[0], command)  # same pid, signals and exit code as running llama-server directly
 
 
 @click.command("rpc-server", context_settings={"ignore_unknown_options": True})
@@ -229,16 +227,16 @@ def rpc_server_cmd(host: str, port: int, engine: str | None, extra: tuple[str, .
 
     Extra arguments after `--` go to rpc-server (e.g. `-- -c` to cache tensors locally).
     """
-    chosen = launcher.select_engine(hardware.detect(), engine)
+    chosen = select_engine(hardware.detect(), engine)
     binary = chosen.binary("rpc-server")
     if not binary.exists():
         raise KvmemError(f"engine {chosen.key} has no rpc-server", hint="kvmem build --force")
-    if launcher.port_in_use(host, port):
+    if process.port_in_use(host, port):
         raise KvmemError(f"port {port} on {host} is already in use", hint="pass --port N")
-    argv = [str(binary), "-H", host, "-p", str(port), *extra]
-    err_console.print(f"[dim]kvmem: {shlex.join(argv)}[/]")
+    command = [str(binary), "-H", host, "-p", str(port), *extra]
+    err_console.print(f"[dim]kvmem: {shlex.join(command)}[/]")
     sys.stdout.flush()
-    os.execv(argv[0], argv)
+    os.execv(command[0], command)
 
 
 def _uptime(seconds: float | None) -> str:
@@ -252,15 +250,7 @@ def _uptime(seconds: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def ps_cmd(as_json: bool) -> None:
     """List servers started by `kvmem run` (records of exited foreground runs are dropped)."""
-    records = servers.list_records()
-    rows = []
-    vram = hardware.process_vram([r.pid for r in records])
-    for record in records:
-        row = servers.status_row(record, vram)
-        if not row["alive"] and not record.detached:
-            servers.remove(record.name)  # a foreground run that died with its terminal
-            continue
-        rows.append(row)
+    rows = [asdict(status) for status in registry.statuses()]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -288,11 +278,11 @@ def stop_cmd(names: tuple[str, ...], stop_all: bool, timeout: float) -> None:
     """Stop servers by name (SIGTERM, then SIGKILL after --timeout)."""
     if not names and not stop_all:
         raise click.UsageError("name a server (see `kvmem ps`) or pass --all")
-    records = servers.list_records() if stop_all else [servers.require(n) for n in names]
+    records = registry.list_records() if stop_all else [registry.require(n) for n in names]
     if not records:
         console.print("no servers to stop")
     for record in records:
-        result = servers.stop(record, timeout)
+        result = registry.stop(record, timeout)
         console.print(f"{record.name}: {result}")
 
 
@@ -302,37 +292,33 @@ def stop_cmd(names: tuple[str, ...], stop_all: bool, timeout: float) -> None:
 @click.option("--lines", "-n", type=click.IntRange(0), default=None, help="Only the last N lines.")
 def logs_cmd(name: str, follow: bool, lines: int | None) -> None:
     """Print a server's log (llama-server's stdout and stderr)."""
-    record = servers.load(name)
-    path = servers.log_path(name) if record is None else Path(record.log_path)
-    if not path.exists():
-        raise KvmemError(f"no log for {name!r}", hint="see `kvmem ps` for server names")
+    path = registry.log_file(name)
+    start = 0
     if lines is not None:
-        for line in launcher.tail_lines(path, lines):
+        for line in process.tail_lines(path, lines):
             click.echo(line)
         start = path.stat().st_size
-    else:
-        start = 0
+    elif not follow:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                click.echo(line, nl=False)
     if not follow:
-        if lines is None:
-            with open(path, encoding="utf-8", errors="replace") as fh:
-                for line in fh:
-                    click.echo(line, nl=False)
         return
-    thread, stop = launcher.follow_log(path, click.echo, start)
-    try:
-        while record is None or record.alive:
-            time.sleep(0.3)
-            record = servers.load(name) or record
-    except KeyboardInterrupt:
-        pass
-    finally:
-        stop.set()
-        thread.join(2)
+
+    last = registry.load(name)
+
+    def running() -> bool:  # until the server exits; a log without a server: until Ctrl-C
+        nonlocal last
+        last = registry.load(name) or last
+        return last is None or last.alive
+
+    with contextlib.suppress(KeyboardInterrupt):
+        process.follow_log_while(path, click.echo, start, running)
 
 
 @click.command("doctor")
 @click.argument("model", required=False)
-@click.option("--port", type=click.IntRange(1, 65535), default=launcher.DEFAULT_PORT, show_default=True,
+@click.option("--port", type=click.IntRange(1, 65535), default=launch.DEFAULT_PORT, show_default=True,
               help="Port that `kvmem run` would use.")
 @click.option("--ctx", type=click.IntRange(256), help="Context to check the host pool for.")
 @click.option("--engine", help="Engine key to check (default: the one `kvmem run` would pick).")
@@ -340,8 +326,6 @@ def logs_cmd(name: str, follow: bool, lines: int | None) -> None:
 def doctor_cmd(model: str | None, port: int, ctx: int | None, engine: str | None, as_json: bool) -> int:
     """Check what usually breaks a launch: GPU architecture vs engine, model format, checksum,
     non-ASCII paths, RAM for the host pool, port, driver/CUDA. Exits 1 on any failure."""
-    from kvmem_llama import doctor
-
     checks = doctor.run_checks(model, port=port, ctx=ctx, engine=engine)
     if as_json:
         click.echo(json.dumps([c.to_dict() for c in checks], indent=2))
@@ -362,17 +346,3 @@ def doctor_cmd(model: str | None, port: int, ctx: int | None, engine: str | None
 
 
 COMMANDS = [plan_cmd, run_cmd, serve_cmd, ps_cmd, stop_cmd, logs_cmd, doctor_cmd, rpc_server_cmd]
-
-
-def _standalone() -> None:
-    """`python -m kvmem_llama.cli.run ...`: these commands with the main CLI's error handling."""
-    from kvmem_llama.cli import main as main_module
-
-    for command in COMMANDS:
-        if command.name not in main_module.cli.commands:
-            main_module.cli.add_command(command)
-    main_module.main()
-
-
-if __name__ == "__main__":
-    _standalone()

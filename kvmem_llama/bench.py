@@ -25,6 +25,7 @@ import psutil
 
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.kvmem_log import parse_armed, parse_select
+from kvmem_llama.serving.process import LOOPBACK, ServerProcess, llama_server_argv
 
 TURN2_TOKENS = 512
 KV_BUFFER = re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB")
@@ -80,21 +81,6 @@ class _Sampler(threading.Thread):
         self.join(timeout=5)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-2000:]
-            raise KvmemError(f"llama-server exited with {proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise KvmemError(f"llama-server not ready after {timeout:.0f}s; log: {log_path}")
-
-
 def _complete(url: str, tokens: list[int], n_predict: int) -> dict:
     reply = httpx.post(f"{url}/completion", timeout=3600, json={
         "prompt": tokens, "n_predict": n_predict, "temperature": 0, "ignore_eos": True,
@@ -107,21 +93,20 @@ def _complete(url: str, tokens: list[int], n_predict: int) -> dict:
 
 def run_one(server: Path, model: Path, config: str, context: int, server_args: list[str], log_dir: Path,
             gen_tokens: int = 64, port: int = 18181, seed: int = 0, ready_timeout: float = 600) -> BenchResult:
-    log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{config}-{context}.log"
     n_ctx = context + TURN2_TOKENS + 2 * gen_tokens + 64
-    cmd = [str(server), "-m", str(model), "-c", str(n_ctx), "--host", "127.0.0.1", "--port", str(port),
-           "-np", "1", "--no-webui", "-lv", "4", *server_args]  # -lv 4: the engine logs its KV buffer sizes
+    args = ["-c", str(n_ctx), "-np", "1", "--no-webui", "-lv", "4", *server_args]  # -lv 4: the KV buffer sizes
     started = time.monotonic()
-    with open(log_path, "w") as logfh:
-        proc = subprocess.Popen(cmd, stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True)
-    sampler = _Sampler(proc.pid)
+    srv = ServerProcess.spawn(llama_server_argv(server, model, args, LOOPBACK, port), log_path,
+                              host=LOOPBACK, port=port)
+    assert srv.pid is not None
+    sampler = _Sampler(srv.pid)
     sampler.start()
-    url = f"http://127.0.0.1:{port}"
+    url = srv.url
     rng = random.Random(seed + context)
     result = BenchResult(config, context, context - gen_tokens, 0.0, 0.0, 0.0, None, 0.0, 0.0)
     try:
-        _wait_ready(url, proc, log_path, ready_timeout)
+        srv.wait_ready(ready_timeout)
         n_vocab = int(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["meta"]["n_vocab"])
         top = min(n_vocab - 1, 100_000)  # ordinary tokens, clear of special ones at the ends
         prompt = [rng.randrange(1000, top) for _ in range(context - gen_tokens)]
@@ -135,11 +120,7 @@ def run_one(server: Path, model: Path, config: str, context: int, server_args: l
         result.error = str(exc)[:1000]
     finally:
         sampler.stop()
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        srv.stop(timeout=30)
     text = log_path.read_text(errors="replace")
     result.kv_buffer_mib = sum(float(m) for m in KV_BUFFER.findall(text))
     block_bytes = 0

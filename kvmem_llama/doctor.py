@@ -6,17 +6,21 @@ most reports; then paths, host RAM, port and driver.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-from kvmem_llama import hardware, launcher, planner
-from kvmem_llama.engine import Engine
+from kvmem_llama import hardware, models, planner
+from kvmem_llama.engine import Engine, select_engine
 from kvmem_llama.errors import KvmemError
+from kvmem_llama.files import sha256_file
+from kvmem_llama.models.gguf_info import ModelInfo, model_info
+from kvmem_llama.serving.launch import DEFAULT_HOST, DEFAULT_PORT
+from kvmem_llama.serving.process import port_in_use
 
 
 @dataclass
@@ -25,6 +29,7 @@ class Check:
     status: str  # ok | warn | fail | skip
     detail: str
     fix: str | None = None
+    facts: dict[str, Any] = field(default_factory=dict)  # numbers behind the detail, for --json
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,43 +67,18 @@ def engine_reads(engine: Engine, path: Path | str, timeout: float = 120) -> tupl
     return False, (errors[0] if errors else (lines[-1] if lines else f"exit code {out.returncode}")).strip()
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def expected_sha256(resolved: launcher.ResolvedModel) -> tuple[str | None, str]:
-    """(sha256 on record, where the record comes from)."""
-    record = getattr(resolved.entry, "sha256", None)
-    stored = None
-    try:
-        from kvmem_llama.models import store
-
-        rec = store.find(str(resolved.path))
-        stored = rec.sha256 if rec else None
-    except (ImportError, KvmemError, AttributeError):
-        pass
-    if stored:
-        return stored, "model store record"
-    from kvmem_llama.shipped import SHIPPED
-
-    for shipped in SHIPPED.values():
-        if shipped.filename == resolved.path.name:
-            return shipped.sha256, f"shipped model {shipped.name}"
-    if record:
-        return record, "catalog"
-    return None, ""
+def model_facts(info: ModelInfo) -> dict[str, Any]:
+    """The model's shape as the planner and `kvmem inspect` see it (one ModelInfo for all three)."""
+    return {"arch": info.arch, "n_layers": info.n_layers, "n_attention_layers": info.n_attention_layers,
+            "kv_bytes_per_token": info.kv_bytes_per_token}
 
 
 def _non_ascii(label_paths: dict[str, str]) -> list[str]:
     return [f"{label}: {p}" for label, p in label_paths.items() if p and not p.isascii()]
 
 
-def run_checks(model: str | None = None, *, port: int = launcher.DEFAULT_PORT, ctx: int | None = None,
-               engine: str | None = None, host: str = launcher.DEFAULT_HOST,
+def run_checks(model: str | None = None, *, port: int = DEFAULT_PORT, ctx: int | None = None,
+               engine: str | None = None, host: str = DEFAULT_HOST,
                hw: hardware.Hardware | None = None) -> list[Check]:
     checks: list[Check] = []
     hw = hw or hardware.detect()
@@ -106,7 +86,7 @@ def run_checks(model: str | None = None, *, port: int = launcher.DEFAULT_PORT, c
     # 1. architecture: the engine has kernels for this GPU
     chosen: Engine | None = None
     try:
-        chosen = launcher.select_engine(hw, engine)
+        chosen = select_engine(hw, engine)
         if chosen.sms:
             gpu = hw.gpu()
             checks.append(Check("architecture", "ok", f"{gpu.name if gpu else '?'} sm_{gpu.sm if gpu else '?'}; "
@@ -119,32 +99,35 @@ def run_checks(model: str | None = None, *, port: int = launcher.DEFAULT_PORT, c
 
     # 2. format: a GGUF this engine reads
     resolved = None
-    shape = None
+    info = None
     try:
-        resolved = launcher.resolve_model(model)
-        meta, _tensors, version = planner.read_gguf_metadata(resolved.path)
-        arch = str(meta.get("general.architecture", "?"))
+        resolved = models.resolve_model(model)
+        info = model_info(resolved.path)
         readable, why = engine_reads(chosen, resolved.path) if chosen is not None else (True, "")
         if not readable:
             unknown = "unknown model architecture" in why
-            checks.append(Check("format", "fail", f"GGUF v{version}, architecture {arch!r}: engine {chosen.key} "
-                                f"cannot load it ({why})",
+            checks.append(Check("format", "fail", f"GGUF v{info.gguf_version}, architecture {info.arch!r}: engine "
+                                f"{chosen.key} cannot load it ({why})",
                                 "update kvmem (a newer llama.cpp pin), or use a supported model" if unknown else
                                 "the file is damaged or from an incompatible converter: pull it again"))
+            info = None
         else:
-            checks.append(Check("format", "ok", f"GGUF v{version}, architecture {arch}"))
-            shape = planner.shape_from_gguf(resolved.path, name=resolved.alias)
+            kv = info.kv_bytes_per_token.get("f16")
+            per_token = f", KV {kv:,} B/token at f16" if kv else ""
+            checks.append(Check("format", "ok", f"GGUF v{info.gguf_version}, architecture {info.arch}; "
+                                f"{info.n_layers} layers, {info.n_attention_layers} with KV{per_token}",
+                                facts=model_facts(info)))
     except KvmemError as exc:
         checks.append(Check("format", "fail", str(exc), exc.hint))
 
     # 3. checksum: the file is the one that was verified when it was stored
     if resolved is not None and resolved.path.is_file():
-        expected, source = expected_sha256(resolved)
+        expected, source = models.expected_sha256(resolved)
         if expected is None:
             checks.append(Check("checksum", "skip", "no recorded sha256 for this file",
-                                "import it with `kvmem pull PATH` to record one"))
+                                "import it with `kvmem import PATH` to record one"))
         else:
-            got = sha256_of(resolved.path)
+            got = sha256_file(resolved.path)
             if got == expected:
                 checks.append(Check("checksum", "ok", f"sha256 {got[:16]}... matches the {source}"))
             else:
@@ -165,13 +148,13 @@ def run_checks(model: str | None = None, *, port: int = launcher.DEFAULT_PORT, c
         checks.append(Check("paths", "ok", "model, engine and working directory paths are ASCII"))
 
     # 5. host RAM for the plan (host KV pool on a GPU, everything on the CPU)
-    if shape is not None:
+    if info is not None:
         plan_hw = hw if chosen is not None and chosen.sms else hardware.Hardware(
             [], hw.ram_total, hw.ram_available, hw.cpu_count)
-        plan = planner.plan(shape, plan_hw, ctx=ctx)
+        plan = planner.plan(info, plan_hw, ctx=ctx, label=resolved.name if resolved else None)
         prof = plan.profile
-        need = prof.host_mib * planner.MiB if prof.budget else shape.trunk_weights_bytes + \
-            shape.kv_bytes_per_token(prof.ctk, prof.ctv) * prof.ctx
+        need = prof.host_mib * planner.MiB if prof.budget else \
+            info.trunk_weights_bytes + info.kv_bytes(prof.ctk, prof.ctv) * prof.ctx
         short = [w for w in plan.warnings if "RAM" in w or "lowered" in w]
         detail = f"needs ~{need / planner.GiB:.2f} GiB of {hw.ram_available / planner.GiB:.1f} GiB available " \
                  f"(ctx {prof.ctx:,}, {'host pool' if prof.budget else 'weights + KV'})"
@@ -185,7 +168,7 @@ def run_checks(model: str | None = None, *, port: int = launcher.DEFAULT_PORT, c
         checks.append(Check("host RAM", "skip", "no readable model"))
 
     # 6. port
-    if launcher.port_in_use(host, port):
+    if port_in_use(host, port):
         checks.append(Check("port", "fail", f"port {port} on {host} is in use",
                             "kvmem run --port auto (or stop what holds it: `kvmem ps`, `kvmem stop NAME`)"))
     else:

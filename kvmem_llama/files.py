@@ -12,20 +12,25 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 
-def sha256_file(path: Path | str, on_bytes: Callable[[int], None] | None = None, chunk: int = 8 << 20) -> str:
-    """Hex sha256 of a file; `on_bytes(n)` is told how much was read (a progress bar)."""
+class ByteProgress(Protocol):
+    def advance(self, n: int) -> None: ...
+
+
+def sha256_file(path: Path | str, progress: ByteProgress | None = None, chunk: int = 8 << 20) -> str:
+    """Hex sha256 of a file; `progress.advance(n)` is told how much was read."""
     digest = hashlib.sha256()
     with open(path, "rb", buffering=0) as fh:
         buf = bytearray(chunk)
         view = memoryview(buf)
         while n := fh.readinto(buf):
             digest.update(view[:n])
-            if on_bytes:
-                on_bytes(n)
+            if progress:
+                progress.advance(n)
     return digest.hexdigest()
 
 

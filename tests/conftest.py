@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvmem_llama.default_model import default_model_path
 from kvmem_llama.engine import Engine, find_engine
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from kvmem_llama.serving.process import ServerProcess, start_llama_server
 
 
 @pytest.fixture(scope="session")
@@ -51,48 +41,17 @@ def qwen35(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-@dataclass
-class RunningServer:
-    url: str
-    port: int
-    process: subprocess.Popen
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(encoding="utf-8", errors="replace")
+class RunningServer(ServerProcess):
+    def log(self) -> str:  # what the engine tests call log_text()
+        return self.log_text()
 
 
 @contextlib.contextmanager
 def run_llama_server(engine: Engine, model: Path, args: list[str], log_path: Path,
                      timeout: float = 120.0) -> Iterator[RunningServer]:
     """Start the engine's llama-server on a free loopback port; wait for /health; stop it after."""
-    port = free_port()
-    cmd = [str(engine.server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
-    logfh = open(log_path, "w", encoding="utf-8")
-    proc = subprocess.Popen(cmd, stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True)
-    server = RunningServer(f"http://127.0.0.1:{port}", port, proc, log_path)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {proc.returncode}:\n{server.log()[-3000:]}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server not healthy after {timeout}s:\n{server.log()[-3000:]}")
-            time.sleep(0.2)
+    with start_llama_server(engine.server, model, args, log_path, timeout=timeout, kind=RunningServer) as server:
         yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        logfh.close()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from kvmem_llama.build import BUILD_TARGETS, parse_sms
 from kvmem_llama.engine import Engine, matrix_sms
 from kvmem_llama.errors import BuildError
-from kvmem_llama.vendor.fetch import sha256_file
+from kvmem_llama.files import sha256_file
 
 KVMEM = shutil.which("kvmem") or "kvmem"
 

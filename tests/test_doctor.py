@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvmem_llama import doctor, hardware, launcher
+from kvmem_llama import doctor, hardware
 from kvmem_llama.engine import Engine, list_engines
+from kvmem_llama.serving.process import free_port
 
 
 def by_name(checks: list[doctor.Check]) -> dict[str, doctor.Check]:
@@ -41,10 +42,11 @@ def write_gguf(path: Path, arch: str) -> Path:
 
 
 def test_healthy_default_model(cpu_engine: Engine, smollm2: Path) -> None:
-    checks = by_name(doctor.run_checks(None, port=launcher.free_port(), hw=cpu_hw()))
+    checks = by_name(doctor.run_checks(None, port=free_port(), hw=cpu_hw()))
     assert [c for c in checks.values() if c.status == "fail"] == []
     assert checks["architecture"].status == "ok" and cpu_engine.key in checks["architecture"].detail
-    assert checks["format"].detail == "GGUF v3, architecture llama"
+    assert checks["format"].detail == "GGUF v3, architecture llama; 30 layers, 30 with KV, KV 23,040 B/token at f16"
+    assert checks["format"].facts["kv_bytes_per_token"]["f16"] == 23040
     assert checks["checksum"].status == "ok" and "b179c9523d0e6a0f" in checks["checksum"].detail
     assert checks["port"].status == "ok" and checks["paths"].status == "ok"
     assert checks["driver"].status == "skip"  # no NVIDIA driver on this machine
@@ -58,12 +60,12 @@ def test_engine_reads_real_files(cpu_engine: Engine, smollm2: Path, tmp_path: Pa
 
 def test_unknown_arch_and_not_gguf(cpu_engine: Engine, tmp_path: Path) -> None:
     alien = write_gguf(tmp_path / "alien.gguf", "notanarch")
-    fmt = by_name(doctor.run_checks(str(alien), port=launcher.free_port(), hw=cpu_hw()))["format"]
+    fmt = by_name(doctor.run_checks(str(alien), port=free_port(), hw=cpu_hw()))["format"]
     assert fmt.status == "fail" and "unknown model architecture: 'notanarch'" in fmt.detail
     assert fmt.fix.startswith("update kvmem")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"<html>rate limited</html>" * 40)
-    checks = by_name(doctor.run_checks(str(junk), port=launcher.free_port(), hw=cpu_hw()))
+    checks = by_name(doctor.run_checks(str(junk), port=free_port(), hw=cpu_hw()))
     assert checks["format"].status == "fail" and checks["format"].fix
     assert checks["host RAM"].status == "skip"
 
@@ -76,7 +78,7 @@ def test_checksum_mismatch(smollm2: Path, tmp_path: Path) -> None:
         byte = fh.read(1)
         fh.seek(-100, 2)
         fh.write(bytes([byte[0] ^ 0xFF]))
-    check = by_name(doctor.run_checks(str(copy), port=launcher.free_port(), hw=cpu_hw()))["checksum"]
+    check = by_name(doctor.run_checks(str(copy), port=free_port(), hw=cpu_hw()))["checksum"]
     assert check.status == "fail" and "b179c9523d0e6a0f" in check.detail and "pull it again" in check.fix
 
 
@@ -91,20 +93,18 @@ def test_port_ram_and_architecture_failures(cpu_engine: Engine, smollm2: Path) -
     gpu = hardware.Hardware([hardware.GPU(0, "NVIDIA GeForce RTX 4090", "89", 24 << 30, 24 << 30)],
                             64 << 30, 64 << 30, 8, "580.1", "13.0")
     if not any(e.sms and e.runs_on("89") for e in list_engines()):
-        arch = by_name(doctor.run_checks(None, port=launcher.free_port(), hw=gpu))["architecture"]
+        arch = by_name(doctor.run_checks(None, port=free_port(), hw=gpu))["architecture"]
         assert arch.status == "fail" and arch.fix.startswith("kvmem build --sm 89")
 
 
 def test_cli_exit_code(tmp_path: Path) -> None:
-    from kvmem_llama.cli.main import cli
-
-    module = "kvmem_llama.cli.main" if "doctor" in cli.commands else "kvmem_llama.cli.run"
+    module = "kvmem_llama.cli.main"
     junk = tmp_path / "broken.gguf"
     junk.write_bytes(b"\0" * 64)
-    bad = subprocess.run([sys.executable, "-m", module, "doctor", str(junk), "--port", str(launcher.free_port())],
+    bad = subprocess.run([sys.executable, "-m", module, "doctor", str(junk), "--port", str(free_port())],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert bad.returncode == 1 and "FAIL" in bad.stdout and "check(s) failed" in bad.stderr
-    good = subprocess.run([sys.executable, "-m", module, "doctor", "--port", str(launcher.free_port()), "--json"],
+    good = subprocess.run([sys.executable, "-m", module, "doctor", "--port", str(free_port()), "--json"],
                           capture_output=True, text=True, timeout=120)
     assert good.returncode == 0, good.stdout + good.stderr
 
@@ -115,5 +115,5 @@ def test_non_ascii_path_is_reported(smollm2: Path, tmp_path: Path, label: str) -
     folder.mkdir()
     copy = folder / "copy.gguf"
     shutil.copyfile(smollm2, copy)
-    paths_check = by_name(doctor.run_checks(str(copy), port=launcher.free_port(), hw=cpu_hw()))["paths"]
+    paths_check = by_name(doctor.run_checks(str(copy), port=free_port(), hw=cpu_hw()))["paths"]
     assert paths_check.status == "warn" and label in paths_check.detail and paths_check.fix

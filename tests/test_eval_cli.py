@@ -81,7 +81,7 @@ def test_eval_context_too_small_is_explained(llama_server, smollm2: Path, tmp_pa
 
 
 def test_eval_run_starts_its_own_server(tmp_path: Path) -> None:
-    """--run with tiering off (budget 0) goes through the launcher (or the built-in starter)."""
+    """--run with tiering off (budget 0) starts its server as `kvmem run` does."""
     out = tmp_path / "run"
     proc = kvmem("eval", "--run", "smollm2", "--budgets", "0", "--tasks", "niah_single_noise", "--lengths", "1000",
                  "--depths", "90", "--samples", "1", "--out", str(out))

@@ -1,7 +1,5 @@
-"""The launcher with the real CPU engine and SmolLM2: argv layering, readiness, registry, CLI lifecycle.
-
-KV tiering is not in the engine yet: its code paths (budget flags, the SELECT-line self-test)
-are checked on argv and log text here, and the real launches run with tiering off.
+"""Launching servers (kvmem_llama.serving) with the real CPU engine and SmolLM2: argv layering,
+readiness and the tiering self-test, the registry, the CLI lifecycle (run, ps, logs, stop, serve).
 """
 
 from __future__ import annotations
@@ -22,9 +20,11 @@ import httpx
 import psutil
 import pytest
 
-from kvmem_llama import hardware, kvmem_log, launcher, planner, servers
-from kvmem_llama.engine import Engine, build_sm_flag, list_engines
+from kvmem_llama import hardware, kvmem_log, planner
+from kvmem_llama.engine import Engine, build_sm_flag, check_engine_for_gpu, list_engines, select_engine
 from kvmem_llama.errors import KvmemError
+from kvmem_llama.serving import argv, launch, process, registry
+from kvmem_llama.serving.process import ServerFailed
 from kvmem_llama.shipped import shipped_model_path
 
 SELECT = ("srv  kvmem_score: SELECT seq=0 n_blocks=96 budget_blocks=16 sink=1 recent=4 scored=11 staged_in=11 "
@@ -40,11 +40,7 @@ def servers_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def kvmem() -> list[str]:
-    """The CLI: the registered `kvmem` group once cli/main.py lists cli/run.py, else the module itself."""
-    from kvmem_llama.cli.main import cli
-
-    module = "kvmem_llama.cli.main" if "run" in cli.commands else "kvmem_llama.cli.run"
-    return [sys.executable, "-m", module]
+    return [sys.executable, "-m", "kvmem_llama.cli.main"]
 
 
 def cpu_hw() -> hardware.Hardware:
@@ -83,15 +79,15 @@ def test_kvmem_log_parses_follow_draft_and_the_select_extras() -> None:
 
 
 def test_self_test_check_on_log_text() -> None:
-    prompt, code = launcher.self_test_prompt(2048, seed=1)
+    prompt, code = process.self_test_prompt(2048, seed=1)
     assert f"vault code is {code}" in prompt and len(prompt.split()) > 2048  # longer than the budget
-    ok, why = launcher.check_self_test(f"The code is {code}.", code, f"{ARMED}\n{SELECT}")
+    ok, why = process.check_self_test(f"The code is {code}.", code, f"{ARMED}\n{SELECT}")
     assert ok and "n_blocks=96" in why
-    ok, why = launcher.check_self_test(f"{code}", code, ARMED)
+    ok, why = process.check_self_test(f"{code}", code, ARMED)
     assert not ok and "SELECT" in why
-    ok, why = launcher.check_self_test("1234", code if code != "1234" else "4321", SELECT)
+    ok, why = process.check_self_test("1234", code if code != "1234" else "4321", SELECT)
     assert not ok and "does not contain the needle" in why
-    ok, why = launcher.check_self_test(code, code, "kvmem_score: DISABLED (model has no attention layers)")
+    ok, why = process.check_self_test(code, code, "kvmem_score: DISABLED (model has no attention layers)")
     assert not ok and "turned tiering off" in why
 
 
@@ -99,53 +95,53 @@ def test_merge_args_user_flags_win() -> None:
     plan = ["-c", "8192", "-ctk", "f16", "-m", "a.gguf", "--strict-model-id"]
     profile = ["--temp", "0.7", "--top-k", "20"]
     user = ["--ctx-size=4096", "--temperature", "0.1", "--parallel", "2", "--some-new-flag", "-5"]
-    merged = launcher.merge_args(plan, profile, user)
+    merged = argv.merge_args(plan, profile, user)
     assert merged == ["-ctk", "f16", "-m", "a.gguf", "--strict-model-id", "--top-k", "20",
                       "--ctx-size=4096", "--temperature", "0.1", "--parallel", "2", "--some-new-flag", "-5"]
-    assert launcher.user_flags(["-a", "x,y", "--port", "9000", "--strict-model-id"]) == {
+    assert argv.user_flags(["-a", "x,y", "--port", "9000", "--strict-model-id"]) == {
         "-a": "x,y", "--port": "9000", "--strict-model-id": None}
 
 
 def test_profile_args_tiering_paths(cpu_engine: Engine) -> None:
-    help_text = launcher.engine_help(cpu_engine)
-    assert launcher.supports(help_text, "--ctx-size") and launcher.supports(help_text, "-ctk")
-    assert not launcher.supports(help_text, "--no-such-flag-anywhere")
+    help_text = argv.engine_help(cpu_engine)
+    assert argv.supports(help_text, "--ctx-size") and argv.supports(help_text, "-ctk")
+    assert not argv.supports(help_text, "--no-such-flag-anywhere")
     fake_help = help_text + "\n--kvmem-budget N   tokens on GPU\n--kvmem-host-mib N  pool\n"
     prof = planner.Profile("gpu", 262144, 43776, 4096, 128, "q5_0", "q5_0", 16384, True, None)
-    on = launcher.profile_args(prof, fake_help, tiering=True, has_gpu=True)
+    on = argv.profile_args(prof, fake_help, tiering=True, has_gpu=True)
     assert on[on.index("--kvmem-budget") + 1] == "43776" and on[on.index("--kvmem-host-mib") + 1] == "16384"
     assert on[on.index("--kvmem-gen-reserve") + 1] == "4096" and on[on.index("-fa") + 1] == "on"
     assert on[on.index("-ngl") + 1] == "999" and on[on.index("--spec-type") + 1] == "draft-mtp"
-    off = launcher.profile_args(prof, help_text, tiering=False, has_gpu=False)
+    off = argv.profile_args(prof, help_text, tiering=False, has_gpu=False)
     assert not any(a.startswith("--kvmem") for a in off) and "-ngl" not in off
-    assert launcher.sampling_args("tool") == ["--temp", "0.2", "--top-p", "0.8", "--top-k", "20",
+    assert argv.sampling_args("tool") == ["--temp", "0.2", "--top-p", "0.8", "--top-k", "20",
                                               "--presence-penalty", "0.05"]
     with pytest.raises(KvmemError):
-        launcher.sampling_args("creative")
+        argv.sampling_args("creative")
 
 
 def test_decide_tiering(cpu_engine: Engine) -> None:
-    real_help = launcher.engine_help(cpu_engine)
-    tiering_help = real_help + "\n--kvmem-budget N   tokens of KV on the GPU\n"
+    real_help = tiering_help = argv.engine_help(cpu_engine)
     prof = planner.Profile("gpu", 262144, 43776, 4096, 128, "f16", "f16", 16384, False, None)
-    on = launcher.decide_tiering(prof, tiering_help, {})
+    on = argv.decide_tiering(prof, tiering_help, {})
     assert on == (prof, True, 43776, [])
-    if not launcher.supports(real_help, "--kvmem-budget"):  # today: the context shrinks to what fits
-        shrunk, tiering, budget, notes = launcher.decide_tiering(prof, real_help, {})
-        assert (shrunk.ctx, shrunk.budget, tiering, budget) == (43776 + 4096, 0, False, 0)
-        assert "context lowered from 262144 to 47872" in notes[0]
-    assert launcher.decide_tiering(prof, tiering_help, {"--kvmem-budget": "0"})[1:3] == (False, 0)
+    assert argv.supports(real_help, "--kvmem-budget")  # our engine tiers; an upstream one does not:
+    upstream_help = "\n".join(line for line in real_help.splitlines() if "--kvmem" not in line)
+    shrunk, tiering, budget, notes = argv.decide_tiering(prof, upstream_help, {})  # the context shrinks to fit
+    assert (shrunk.ctx, shrunk.budget, tiering, budget) == (43776 + 4096, 0, False, 0)
+    assert "context lowered from 262144 to 47872" in notes[0]
+    assert argv.decide_tiering(prof, tiering_help, {"--kvmem-budget": "0"})[1:3] == (False, 0)
     cpu = planner.Profile("cpu", 8192, 0, 0, 128, "f16", "f16", 0, False, None)
-    assert launcher.decide_tiering(cpu, tiering_help, {"--kvmem-budget": "2048"})[1:3] == (True, 2048)
+    assert argv.decide_tiering(cpu, tiering_help, {"--kvmem-budget": "2048"})[1:3] == (True, 2048)
 
 
 def test_self_test_against_a_real_server(smollm2: Path) -> None:
     """The needle request really runs; an engine that logs no SELECT line fails the self-test."""
-    lp = launcher.prepare(None, extra_args=["-c", "2048"], port="auto", hw=cpu_hw())
+    lp = launch.prepare(None, extra_args=["-c", "2048"], port="auto", hw=cpu_hw())
     lp = dataclasses.replace(lp, budget=128, tiering=True, self_test=True)
-    handle = launcher.launch(lp, name="selftest")
+    handle = launch.launch(lp, name="selftest")
     try:
-        with pytest.raises(launcher.ServerFailed, match="no `kvmem_score: SELECT` line") as err:
+        with pytest.raises(ServerFailed, match="no `kvmem_score: SELECT` line") as err:
             handle.wait_ready(120, expect_ctx=2048, self_test=True)
         assert "last lines of" in str(err.value)
         assert "prompt eval time" in handle.log_text()  # the needle prompt was processed
@@ -155,35 +151,35 @@ def test_self_test_against_a_real_server(smollm2: Path) -> None:
 
 def test_engine_selection_by_sm(cpu_engine: Engine) -> None:
     gpu_hw = hardware.Hardware([hardware.GPU(0, "NVIDIA GeForce RTX 4090", "89", 24 << 30, 24 << 30)], 1, 1)
-    assert launcher.select_engine(cpu_hw()).key == cpu_engine.key
-    assert launcher.select_engine(gpu_hw, "cpu").key == cpu_engine.key
+    assert select_engine(cpu_hw()).key == cpu_engine.key
+    assert select_engine(gpu_hw, "cpu").key == cpu_engine.key
     if not any(e.sms and e.runs_on("89") for e in list_engines()):
         with pytest.raises(KvmemError) as err:
-            launcher.select_engine(gpu_hw)
+            select_engine(gpu_hw)
         assert err.value.hint.startswith("kvmem build --sm 89")
     sm89 = Engine(cpu_engine.path, {**cpu_engine.info, "sms": ["89"], "target": "cuda-sm89"})
     ampere = hardware.Hardware([hardware.GPU(0, "NVIDIA GeForce RTX 3090", "86", 24 << 30, 24 << 30)], 1, 1)
     with pytest.raises(KvmemError, match="no kernel image"):
-        launcher.check_engine_for_gpu(sm89, ampere)  # 8.9 code does not run on an older minor
-    launcher.check_engine_for_gpu(Engine(cpu_engine.path, {"sms": ["86"]}), gpu_hw)  # 8.6 code runs on 8.9
+        check_engine_for_gpu(sm89, ampere)  # 8.9 code does not run on an older minor
+    check_engine_for_gpu(Engine(cpu_engine.path, {"sms": ["86"]}), gpu_hw)  # 8.6 code runs on 8.9
     blackwell = hardware.Hardware([hardware.GPU(0, "RTX 5060 Ti", "120", 16 << 30, 16 << 30)], 1, 1)
-    launcher.check_engine_for_gpu(Engine(cpu_engine.path, {"sms": ["120a"]}), blackwell)  # 120a runs on 12.0
+    check_engine_for_gpu(Engine(cpu_engine.path, {"sms": ["120a"]}), blackwell)  # 120a runs on 12.0
     assert build_sm_flag("120") == "120"
     with pytest.raises(KvmemError, match="no NVIDIA GPU"):
-        launcher.select_engine(cpu_hw(), "gpu")
+        select_engine(cpu_hw(), "gpu")
 
 
 def test_dry_run_layers_and_detection(cpu_engine: Engine) -> None:
-    lp = launcher.prepare(None, extra_args=["-c", "1024", "--alias", "tiny", "--n-predict", "7"], port="auto",
+    lp = launch.prepare(None, extra_args=["-c", "1024", "--alias", "tiny", "--n-predict", "7"], port="auto",
                           mode="tool", hw=cpu_hw())
-    argv = lp.argv
-    assert argv[0] == str(cpu_engine.server)
-    assert argv.count("-c") + argv.count("--ctx-size") == 1 and argv[argv.index("-c") + 1] == "1024"
-    assert lp.model_id == "tiny" and lp.ctx == 1024 and "--alias" in argv and argv.count("--alias") == 1
-    assert argv[argv.index("--temp") + 1] == "0.2" and argv[argv.index("--n-predict") + 1] == "7"
-    assert not lp.tiering and not any(a.startswith("--kvmem") for a in argv)  # engine has no tiering flags
-    help_text = launcher.engine_help(cpu_engine)
-    assert ("--strict-model-id" in argv) == launcher.supports(help_text, "--strict-model-id")
+    command = lp.argv
+    assert command[0] == str(cpu_engine.server)
+    assert command.count("-c") + command.count("--ctx-size") == 1 and command[command.index("-c") + 1] == "1024"
+    assert lp.model_id == "tiny" and lp.ctx == 1024 and "--alias" in command and command.count("--alias") == 1
+    assert command[command.index("--temp") + 1] == "0.2" and command[command.index("--n-predict") + 1] == "7"
+    assert not lp.tiering and not any(a.startswith("--kvmem") for a in command)  # a CPU plan: the whole KV fits
+    help_text = argv.engine_help(cpu_engine)
+    assert ("--strict-model-id" in command) == argv.supports(help_text, "--strict-model-id")
 
 
 # --- real servers ---
@@ -191,7 +187,7 @@ def test_dry_run_layers_and_detection(cpu_engine: Engine) -> None:
 
 def test_tiering_self_test_passes_on_the_real_engine(smollm2: Path, servers_dir: Path) -> None:
     """With the tiering engine, a user budget arms tiering and readiness waits for a found needle + SELECT."""
-    with launcher.start_server(None, ctx=8192, extra_args=["--kvmem-budget", "1024", "-t", "2"], hw=cpu_hw()) as srv:
+    with launch.start_server(None, ctx=8192, extra_args=["--kvmem-budget", "1024", "-t", "2"], hw=cpu_hw()) as srv:
         log = srv.log_text()
         assert any(kvmem_log.parse_armed(line) for line in log.splitlines())
         selects = [s for line in log.splitlines() if (s := kvmem_log.parse_select(line))]
@@ -202,24 +198,24 @@ def test_tiering_self_test_passes_on_the_real_engine(smollm2: Path, servers_dir:
 def test_tiering_disabled_by_the_engine_fails_readiness_with_the_reason(servers_dir: Path) -> None:
     """gemma3 (sliding window) is not tiered: an untiered fallback would need the whole context in VRAM."""
     gemma = shipped_model_path("gemma3:270m")
-    with pytest.raises(launcher.ServerFailed, match=r"disabled KV tiering \(.+\).*lower the context"):
-        launcher.start_server(str(gemma), ctx=4096, extra_args=["--kvmem-budget", "1024", "-t", "2"], hw=cpu_hw())
+    with pytest.raises(ServerFailed, match=r"disabled KV tiering \(.+\).*lower the context"):
+        launch.start_server(str(gemma), ctx=4096, extra_args=["--kvmem-budget", "1024", "-t", "2"], hw=cpu_hw())
 
 
 def test_start_server_ready_and_stop(smollm2: Path, servers_dir: Path) -> None:
-    with launcher.start_server(None, ctx=2048, mode="tool", extra_args=["-t", "2"]) as srv:
+    with launch.start_server(None, ctx=2048, mode="tool", extra_args=["-t", "2"]) as srv:
         assert srv.model_id == "smollm2" and srv.ctx == 2048
         models = httpx.get(f"{srv.url}/v1/models", timeout=10).json()
         assert models["data"][0]["id"] == "smollm2" and models["data"][0]["meta"]["n_ctx"] == 2048
         props = httpx.get(f"{srv.url}/props", timeout=10).json()["default_generation_settings"]["params"]
         assert props["temperature"] == pytest.approx(0.2) and props["top_k"] == 20
         assert props["presence_penalty"] == pytest.approx(0.05)
-        record = servers.load(srv.name)
+        record = registry.load(srv.name)
         assert record is not None and record.pid == srv.pid and record.alive and not record.detached
         assert srv.log_path.parent == servers_dir and "listening on" in srv.log_text()
         pid = srv.pid
     assert srv.returncode() is not None and not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
-    assert servers.load(srv.name) is None  # record dropped on stop
+    assert registry.load(srv.name) is None  # record dropped on stop
 
 
 def test_port_in_use_is_a_clear_error(smollm2: Path) -> None:
@@ -228,22 +224,22 @@ def test_port_in_use_is_a_clear_error(smollm2: Path) -> None:
         sock.listen()
         port = sock.getsockname()[1]
         with pytest.raises(KvmemError, match=f"port {port} on 127.0.0.1 is already in use") as err:
-            launcher.prepare(None, port=port, hw=cpu_hw())
+            launch.prepare(None, port=port, hw=cpu_hw())
         assert "--port auto" in err.value.hint
 
 
 def test_crash_reports_exit_code_and_log(smollm2: Path) -> None:
-    with pytest.raises(launcher.ServerFailed) as err:
-        launcher.start_server(None, extra_args=["--no-such-llama-flag"], ready_timeout=60)
+    with pytest.raises(ServerFailed) as err:
+        launch.start_server(None, extra_args=["--no-such-llama-flag"], ready_timeout=60)
     text = str(err.value)
     assert "exited with code" in text and "--no-such-llama-flag" in text and "last lines of" in text
 
 
 def test_ready_timeout_shows_log(smollm2: Path) -> None:
-    with pytest.raises(launcher.ServerFailed, match="not ready") as err:
-        launcher.start_server(None, ctx=1024, ready_timeout=0.01)
+    with pytest.raises(ServerFailed, match="not ready") as err:
+        launch.start_server(None, ctx=1024, ready_timeout=0.01)
     assert "last lines of" in str(err.value)
-    assert not [r for r in servers.list_records() if r.alive]  # the server was stopped
+    assert not [r for r in registry.list_records() if r.alive]  # the server was stopped
 
 
 def _read_lines(stream, out: queue.Queue) -> None:
@@ -280,7 +276,7 @@ def test_cli_foreground_ctrl_c(smollm2: Path, servers_dir: Path) -> None:
             except queue.Empty:
                 pass
         assert any("listening on" in line for line in seen)  # the server log is echoed to the console
-        record = servers.load("fg")
+        record = registry.load("fg")
         assert record is not None and record.alive
         proc.send_signal(signal.SIGINT)
         try:
@@ -294,7 +290,7 @@ def test_cli_foreground_ctrl_c(smollm2: Path, servers_dir: Path) -> None:
             pytest.fail("kvmem run ignored Ctrl-C:\n" + "".join(seen[-10:] + rest))
         assert code == 0
         assert not record.alive
-        assert servers.load("fg") is None
+        assert registry.load("fg") is None
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -307,7 +303,7 @@ def test_cli_detach_ps_logs_stop(smollm2: Path, servers_dir: Path) -> None:
     try:
         assert out.returncode == 0, out.stdout + out.stderr
         assert "ready http://127.0.0.1:" in out.stdout and "detached as bg" in out.stdout
-        record = servers.load("bg")
+        record = registry.load("bg")
         assert record is not None and record.alive and record.detached and record.ctx == 1024
         assert os.getsid(record.pid) == record.pid  # its own session: survives the terminal
         ps = subprocess.run([*kvmem(), "ps", "--json"], capture_output=True, text=True, env=env, timeout=60)
@@ -321,12 +317,12 @@ def test_cli_detach_ps_logs_stop(smollm2: Path, servers_dir: Path) -> None:
         assert "listening on" in logs.stdout
         stop = subprocess.run([*kvmem(), "stop", "bg"], capture_output=True, text=True, env=env, timeout=60)
         assert stop.returncode == 0 and "bg: stopped" in stop.stdout
-        assert not record.alive and servers.load("bg") is None
+        assert not record.alive and registry.load("bg") is None
         again = subprocess.run([*kvmem(), "stop", "bg"], capture_output=True, text=True, env=env, timeout=60)
         assert again.returncode != 0 and "no server named 'bg'" in again.stderr
     finally:
-        if (rec := servers.load("bg")) is not None:
-            servers.stop(rec, 5)
+        if (rec := registry.load("bg")) is not None:
+            registry.stop(rec, 5)
 
 
 def test_serve_is_a_drop_in(smollm2: Path) -> None:
@@ -339,19 +335,19 @@ def test_serve_is_a_drop_in(smollm2: Path) -> None:
 
 
 def test_rpc_server_loopback(smollm2: Path, tmp_path: Path) -> None:
-    port = launcher.free_port()
+    port = process.free_port()
     rpc = subprocess.Popen([*kvmem(), "rpc-server", "--port", str(port)], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 30
-        while not launcher.port_in_use("127.0.0.1", port):
+        while not process.port_in_use("127.0.0.1", port):
             assert rpc.poll() is None, rpc.stdout.read() if rpc.stdout else ""
             assert time.monotonic() < deadline, "rpc-server did not listen"
             time.sleep(0.2)
-        with launcher.start_server(None, ctx=1024, rpc=f"127.0.0.1:{port}", ready_timeout=180,
+        with launch.start_server(None, ctx=1024, rpc=f"127.0.0.1:{port}", ready_timeout=180,
                                    extra_args=["-lv", "4"]) as srv:
-            argv = srv.argv
-            assert argv[argv.index("--rpc") + 1] == f"127.0.0.1:{port}" and "-ngl" in argv
+            command = srv.argv
+            assert command[command.index("--rpc") + 1] == f"127.0.0.1:{port}" and "-ngl" in command
             reply = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
                 "model": srv.model_id, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4})
             assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]

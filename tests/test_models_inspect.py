@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from hub_server import isolate_env, make_gguf
 
-from kvmem_llama.models.gguf_info import GGUFFormatError, model_info, read_header
+from kvmem_llama.models.gguf_header import GGUFFormatError, read_header
+from kvmem_llama.models.gguf_info import model_info
 from kvmem_llama.shipped import shipped_model_path
 
 
@@ -28,7 +29,9 @@ def test_inspect_smollm2(smollm2):
     assert info.n_attention_layers == 30 and info.n_recurrent_layers == 0 and info.mtp_layers == 0
     assert info.embedding_length == 576 and info.rope["freq_base"] == 100000.0
     # 30 layers x 3 KV heads x (64 + 64) dims: f16 2 bytes, q8_0 34/32, q5_0 22/32, q4_0 18/32
-    assert info.kv_bytes_per_token == {"f16": 23040, "q8_0": 12240, "q5_0": 7920, "q4_0": 6480}
+    expected = {"f16": 23040, "q8_0": 12240, "q5_0": 7920, "q4_0": 6480}
+    assert {k: info.kv_bytes_per_token[k] for k in expected} == expected
+    assert info.kv_bytes_per_token["f32"] == 2 * 23040 and info.kv_bytes("q8_0", "f16") == (12240 + 23040) // 2
     assert list(info.quant_mix) == ["Q4_1", "Q8_0", "F32"] and info.quant_mix["Q4_1"]["tensors"] == 210
     assert info.n_tensors == 272 and 134e6 < info.n_params < 135e6
 

@@ -1,4 +1,4 @@
-"""OpenAI compatibility of a server started by the launcher, tested with the official `openai` client."""
+"""OpenAI compatibility of a server started like `kvmem run` (serving.launch), tested with the `openai` client."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvmem_llama import launcher, paths
+from kvmem_llama import paths
+from kvmem_llama.serving import argv
+from kvmem_llama.serving.launch import ServerHandle, start_server
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city",
@@ -30,21 +32,21 @@ def hermes_template() -> Path | None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.ServerHandle]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
     mp = pytest.MonkeyPatch()
     mp.setenv("KVMEM_SERVERS_DIR", str(tmp_path_factory.mktemp("servers")))
     template = hermes_template()
     extra = ["--chat-template-file", str(template)] if template else []
     model = None if template else "qwen2.5-coder:0.5b"  # its own template has the same tool syntax
     try:
-        with launcher.start_server(model, ctx=2048, mode="tool", extra_args=extra) as srv:
+        with start_server(model, ctx=2048, mode="tool", extra_args=extra) as srv:
             yield srv
     finally:
         mp.undo()
 
 
 @pytest.fixture(scope="module")
-def client(server: launcher.ServerHandle) -> openai.OpenAI:
+def client(server: ServerHandle) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="not-needed", timeout=180, max_retries=0)
 
 
@@ -52,11 +54,11 @@ def ask(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def test_models_list(client: openai.OpenAI, server: launcher.ServerHandle) -> None:
+def test_models_list(client: openai.OpenAI, server: ServerHandle) -> None:
     assert [m.id for m in client.models.list()] == [server.model_id]
 
 
-def test_stream_true(client: openai.OpenAI, server: launcher.ServerHandle) -> None:
+def test_stream_true(client: openai.OpenAI, server: ServerHandle) -> None:
     stream = client.chat.completions.create(model=server.model_id, messages=ask("Say hello."), stream=True,
                                             max_tokens=12, stream_options={"include_usage": True})
     chunks = list(stream)
@@ -68,7 +70,7 @@ def test_stream_true(client: openai.OpenAI, server: launcher.ServerHandle) -> No
     assert usage is not None and 0 < usage.completion_tokens <= 12 and usage.prompt_tokens > 0
 
 
-def test_unknown_and_sampling_fields_tolerated(client: openai.OpenAI, server: launcher.ServerHandle) -> None:
+def test_unknown_and_sampling_fields_tolerated(client: openai.OpenAI, server: ServerHandle) -> None:
     reply = client.chat.completions.create(
         model=server.model_id, messages=ask("Say hi."), max_tokens=6, temperature=0.3, top_p=0.5,
         parallel_tool_calls=False, user="test", seed=1,
@@ -76,7 +78,7 @@ def test_unknown_and_sampling_fields_tolerated(client: openai.OpenAI, server: la
     assert reply.choices[0].message.content and reply.model == server.model_id
 
 
-def test_max_tokens_8192_accepted(client: openai.OpenAI, server: launcher.ServerHandle) -> None:
+def test_max_tokens_8192_accepted(client: openai.OpenAI, server: ServerHandle) -> None:
     # more than the 2048-token context: accepted, and generation ends by itself (stop sequences keep it short)
     reply = client.chat.completions.create(model=server.model_id, messages=ask("Say hello."), max_tokens=8192,
                                            stop=[".", "!", "?", "\n"])
@@ -84,16 +86,16 @@ def test_max_tokens_8192_accepted(client: openai.OpenAI, server: launcher.Server
     assert reply.usage is not None and reply.usage.completion_tokens < 200
 
 
-def test_reasoning_effort_accepted(client: openai.OpenAI, server: launcher.ServerHandle) -> None:
+def test_reasoning_effort_accepted(client: openai.OpenAI, server: ServerHandle) -> None:
     reply = client.chat.completions.create(model=server.model_id, messages=ask("Say hi."), max_tokens=6,
                                            reasoning_effort="low")
     assert reply.choices[0].message.content is not None
 
 
-def test_wrong_model_id(client: openai.OpenAI, server: launcher.ServerHandle) -> None:
-    help_text = launcher.engine_help(server.engine)
-    if launcher.supports(help_text, "--strict-model-id"):
-        assert "--strict-model-id" in server.argv  # the launcher turns it on
+def test_wrong_model_id(client: openai.OpenAI, server: ServerHandle) -> None:
+    help_text = argv.engine_help(server.engine)
+    if argv.supports(help_text, "--strict-model-id"):
+        assert "--strict-model-id" in server.argv  # kvmem run turns it on
         with pytest.raises(openai.NotFoundError) as err:
             client.chat.completions.create(model="gpt-4o", messages=ask("hi"), max_tokens=4)
         assert err.value.status_code == 404
@@ -106,7 +108,7 @@ def test_wrong_model_id(client: openai.OpenAI, server: launcher.ServerHandle) ->
     assert client.chat.completions.create(model=server.model_id, messages=ask("hi"), max_tokens=2).choices
 
 
-def test_streaming_tool_calls_are_well_formed(client: openai.OpenAI, server: launcher.ServerHandle) -> None:
+def test_streaming_tool_calls_are_well_formed(client: openai.OpenAI, server: ServerHandle) -> None:
     # A 135M model does not decide to call tools on its own; the assistant turn is prefilled with the
     # opening of a <tool_call> so the model completes the arguments and the server's parser must turn
     # the streamed text into OpenAI tool_calls deltas.

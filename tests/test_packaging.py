@@ -17,6 +17,7 @@ import pytest
 
 from kvmem_llama.engine import Engine, load_engine, sm_runs_on
 from kvmem_llama.errors import KvmemError, VerificationError
+from kvmem_llama.files import sha256_file
 from kvmem_llama.packaging import (
     SUMS_FILE,
     install_engine_package,
@@ -26,7 +27,6 @@ from kvmem_llama.packaging import (
     unpack_source,
     write_sums,
 )
-from kvmem_llama.vendor.fetch import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 

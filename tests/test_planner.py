@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from kvmem_llama import hardware, planner
 from kvmem_llama.errors import KvmemError
+from kvmem_llama.models.gguf_header import GGUFHeader, TensorInfo
+from kvmem_llama.models.gguf_info import ModelInfo, cache_type_bytes, model_info
 from kvmem_llama.planner import GiB, MiB
 from kvmem_llama.shipped import shipped_model_path
 
@@ -31,8 +34,11 @@ def hw(vram: str | None, ram: str = "64G") -> hardware.Hardware:
 
 
 @pytest.fixture(scope="module")
-def qwen27b() -> planner.ModelShape:
-    return planner.shape_from_metadata(QWEN27B_META, QWEN27B_WEIGHTS, QWEN27B_MTP)
+def qwen27b() -> ModelInfo:
+    """The header of such a file: its metadata, the trunk's weights and the MTP block's (blk.64) as two tensors."""
+    trunk = TensorInfo("blk.0.ffn_up.weight", (QWEN27B_WEIGHTS - QWEN27B_MTP,), "I8", 0, QWEN27B_WEIGHTS - QWEN27B_MTP)
+    mtp = TensorInfo("blk.64.nextn.eh_proj.weight", (QWEN27B_MTP,), "I8", trunk.nbytes, QWEN27B_MTP)
+    return model_info(GGUFHeader(Path("qwen27b.gguf"), 3, QWEN27B_WEIGHTS, QWEN27B_META, [trunk, mtp], 0))
 
 
 def test_parse_size() -> None:
@@ -45,25 +51,25 @@ def test_parse_size() -> None:
 
 
 def test_cache_type_bytes() -> None:
-    assert planner.cache_type_bytes("f16", 64) == 128
-    assert planner.cache_type_bytes("q8_0", 64) == 68  # 34 bytes per 32
-    assert planner.cache_type_bytes("q5_0", 64) == 44  # 22 per 32
-    assert planner.cache_type_bytes("q4_0", 64) == 36  # 18 per 32
+    assert cache_type_bytes("f16", 64) == 128
+    assert cache_type_bytes("q8_0", 64) == 68  # 34 bytes per 32
+    assert cache_type_bytes("q5_0", 64) == 44  # 22 per 32
+    assert cache_type_bytes("q4_0", 64) == 36  # 18 per 32
     with pytest.raises(KvmemError):
-        planner.cache_type_bytes("q8_0", 48)  # not a whole block
+        cache_type_bytes("q8_0", 48)  # not a whole block
     with pytest.raises(KvmemError):
-        planner.cache_type_bytes("q3_x", 64)
+        cache_type_bytes("q3_x", 64)
 
 
 def test_smollm2_shape_and_cpu_plan() -> None:
-    shape = planner.shape_from_gguf(shipped_model_path("smollm2"))
-    assert (shape.arch, shape.n_layer, shape.attention_layers) == ("llama", 30, 30)
-    assert (max(shape.kv_heads), shape.head_dim_k, shape.n_vocab, shape.n_ctx_train) == (3, 64, 49152, 8192)
+    shape = model_info(shipped_model_path("smollm2"))
+    assert (shape.arch, shape.n_layers, shape.n_attention_layers) == ("llama", 30, 30)
+    assert (max(shape.kv_heads), shape.head_dim_k, shape.n_vocab, shape.native_ctx) == (3, 64, 49152, 8192)
     # 30 layers x 3 KV heads x 64 dims x (K+V) x 2 B
-    assert shape.kv_bytes_per_token("f16") == 30 * 3 * 64 * 2 * 2 == 23040
+    assert shape.kv_bytes("f16") == 30 * 3 * 64 * 2 * 2 == 23040
     # q8_0: 192 values per layer and tensor -> 6 blocks x 34 B = 204 B; x2 (K,V) x 30 layers
-    assert shape.kv_bytes_per_token("q8_0") == 12240
-    assert shape.kv_bytes_per_token("q5_0") == 30 * 2 * 6 * 22 == 7920
+    assert shape.kv_bytes("q8_0") == 12240
+    assert shape.kv_bytes("q5_0") == 30 * 2 * 6 * 22 == 7920
     assert shape.weights_bytes == 96_576_768  # sum of the tensor sizes in the file (header excluded)
     plan = planner.plan(shape, hw(None))
     prof = plan.profile
@@ -75,10 +81,10 @@ def test_smollm2_shape_and_cpu_plan() -> None:
 
 
 def test_qwen25_coder_shape_and_plans() -> None:
-    shape = planner.shape_from_gguf(shipped_model_path("qwen2.5-coder:0.5b"))
-    assert (shape.arch, shape.n_layer, max(shape.kv_heads), shape.head_dim_k) == ("qwen2", 24, 2, 64)
-    assert shape.kv_bytes_per_token("f16") == 24 * 2 * 64 * 2 * 2 == 12288
-    assert shape.kv_bytes_per_token("q8_0") == 24 * 2 * 4 * 34 * 2 // 2 == 6528
+    shape = model_info(shipped_model_path("qwen2.5-coder:0.5b"))
+    assert (shape.arch, shape.n_layers, max(shape.kv_heads), shape.head_dim_k) == ("qwen2", 24, 2, 64)
+    assert shape.kv_bytes("f16") == 24 * 2 * 64 * 2 * 2 == 12288
+    assert shape.kv_bytes("q8_0") == 24 * 2 * 4 * 34 * 2 // 2 == 6528
     # GPU with room to spare: the full 32K context stays on the GPU, tiering off
     gpu = planner.plan(shape, hw("8G"))
     assert (gpu.profile.device, gpu.profile.ctx, gpu.profile.budget, gpu.profile.ctk) == ("gpu", 32768, 0, "f16")
@@ -91,15 +97,16 @@ def test_qwen25_coder_shape_and_plans() -> None:
     assert any("context lowered from 32768 to 12288" in w for w in cpu.warnings)
 
 
-def test_qwen27b_kv_per_token(qwen27b: planner.ModelShape) -> None:
-    assert qwen27b.n_layer == 64 and qwen27b.attention_layers == 16 and qwen27b.mtp_layers == 1
-    assert qwen27b.kv_bytes_per_token("f16") == 16 * 4 * 256 * 2 * 2 == 64 * 1024
-    assert qwen27b.kv_bytes_per_token("bf16") == 65536
-    assert qwen27b.kv_bytes_per_token("q8_0") == 16 * 2 * 1024 * 34 // 32 == 34816
-    assert qwen27b.kv_bytes_per_token("q5_0") == 16 * 2 * 1024 * 22 // 32 == 22528
-    assert qwen27b.mtp_kv_bytes_per_token("f16") == 4 * 256 * 2 * 2
+def test_qwen27b_kv_per_token(qwen27b: ModelInfo) -> None:
+    assert qwen27b.n_layers == 64 and qwen27b.n_attention_layers == 16 and qwen27b.mtp_layers == 1
+    assert qwen27b.kv_bytes("f16") == 16 * 4 * 256 * 2 * 2 == 64 * 1024
+    assert qwen27b.kv_bytes("bf16") == 65536
+    assert qwen27b.kv_bytes("q8_0") == 16 * 2 * 1024 * 34 // 32 == 34816
+    assert qwen27b.kv_bytes("q5_0") == 16 * 2 * 1024 * 22 // 32 == 22528
+    assert qwen27b.mtp_kv_bytes("f16") == 4 * 256 * 2 * 2
+    assert (qwen27b.weights_bytes, qwen27b.mtp_weights_bytes) == (QWEN27B_WEIGHTS, QWEN27B_MTP)
     # the whole 256K history at bf16: 16 GiB
-    assert qwen27b.kv_bytes_per_token("f16") * 262144 == 16 * GiB
+    assert qwen27b.kv_bytes("f16") * 262144 == 16 * GiB
 
 
 # Hand arithmetic for the synthetic 27B at its 262144-token context (gen reserve 4096):
@@ -113,7 +120,7 @@ def _budget(vram: int) -> int:
     return (room // 65536 - 4096) // 128 * 128
 
 
-def test_qwen27b_12gb_does_not_fit(qwen27b: planner.ModelShape) -> None:
+def test_qwen27b_12gb_does_not_fit(qwen27b: ModelInfo) -> None:
     plan = planner.plan(qwen27b, hw("12G"))
     assert 12 * GiB - TRUNK - COMPUTE - OVERHEAD < 0
     assert not plan.fits
@@ -125,7 +132,7 @@ def test_qwen27b_12gb_does_not_fit(qwen27b: planner.ModelShape) -> None:
     assert any("do not fit in 12.0 GiB" in w for w in plan.warnings)
 
 
-def test_qwen27b_16gb_tiers_with_mtp(qwen27b: planner.ModelShape) -> None:
+def test_qwen27b_16gb_tiers_with_mtp(qwen27b: ModelInfo) -> None:
     plan = planner.plan(qwen27b, hw("16G"))
     assert _budget(16 * GiB) == 43776
     prof = plan.profile
@@ -135,13 +142,13 @@ def test_qwen27b_16gb_tiers_with_mtp(qwen27b: planner.ModelShape) -> None:
     assert plan.warnings == [] and plan.fits
 
 
-def test_qwen27b_24gb_bigger_budget(qwen27b: planner.ModelShape) -> None:
+def test_qwen27b_24gb_bigger_budget(qwen27b: ModelInfo) -> None:
     plan = planner.plan(qwen27b, hw("24G"))
     assert plan.profile.budget == _budget(24 * GiB) == 174848
     assert plan.profile.ctk == "f16" and plan.profile.draft_mtp
 
 
-def test_qwen27b_32gb_everything_fits(qwen27b: planner.ModelShape) -> None:
+def test_qwen27b_32gb_everything_fits(qwen27b: ModelInfo) -> None:
     plan = planner.plan(qwen27b, hw("32G"))
     # 32 GiB - weights - compute - overhead - MTP = 20_320_180_480 >= 16 GiB of full KV: tiering off
     assert 32 * GiB - TRUNK - COMPUTE - OVERHEAD - MTP_W - MTP_KV == 20_320_180_480 >= 16 * GiB
@@ -149,7 +156,7 @@ def test_qwen27b_32gb_everything_fits(qwen27b: planner.ModelShape) -> None:
     assert dict((i, s) for i, s, _ in plan.ledger)["KV working set"] == 16 * GiB
 
 
-def test_qwen27b_warnings(qwen27b: planner.ModelShape) -> None:
+def test_qwen27b_warnings(qwen27b: ModelInfo) -> None:
     # 1M tokens on 16 GB: even q5_0 leaves ctx > 6x budget; MTP is dropped to save room
     plan = planner.plan(qwen27b, hw("16G"), ctx=1 << 20)
     assert plan.profile.ctk == "q5_0" and plan.profile.draft_mtp is False
@@ -165,16 +172,17 @@ def test_qwen27b_warnings(qwen27b: planner.ModelShape) -> None:
 def test_not_a_gguf(tmp_path) -> None:
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"PK\x03\x04 not a model")
-    with pytest.raises(KvmemError, match="not a GGUF"):
-        planner.shape_from_gguf(bad)
+    with pytest.raises(KvmemError, match=r"not a GGUF file \(16 bytes; found a zip archive\)"):
+        planner.plan_model(str(bad), hw(None))
     truncated = tmp_path / "t.gguf"
     truncated.write_bytes(shipped_model_path("smollm2").read_bytes()[:5000])
-    with pytest.raises(KvmemError, match="not a readable GGUF"):
-        planner.shape_from_gguf(truncated)
+    with pytest.raises(KvmemError, match="truncated GGUF header") as err:
+        planner.plan_model(str(truncated), hw(None))
+    assert "download it again" in err.value.hint
 
 
 def test_plan_cli_json() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvmem_llama.cli.run", "plan", "qwen2.5-coder:0.5b",
+    out = subprocess.run([sys.executable, "-m", "kvmem_llama.cli.main", "plan", "qwen2.5-coder:0.5b",
                           "--vram", "16G", "--ram", "64G", "--ctx", "16384", "--json"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

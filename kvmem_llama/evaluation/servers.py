@@ -1,10 +1,10 @@
 """Configurations to compare (tiering off / a budget / a method) and the servers that run them.
 
 `kvmem eval --run MODEL` starts one llama-server per configuration (and per length when the
-budget is a fraction of it) through `kvmem_llama.launcher.start_server` when that module is
-present, else through a small built-in starter for the CPU engine. Every eval server runs one
-slot (`-np 1`: one request at a time, so a request's log lines are its own) and, when tiered,
-`--kvmem-trace` (the resident blocks after each selection, for the answer-block hit rate).
+budget is a fraction of it) through `kvmem_llama.serving.launch.start_server`, as `kvmem run`
+does. Every eval server runs one slot (`-np 1`: one request at a time, so a request's log lines
+are its own) and, when tiered, `--kvmem-trace` (the resident blocks after each selection, for the
+answer-block hit rate).
 
 A configuration is `[METHOD:]BUDGET[:key=value...]`; each key=value becomes `--kvmem-<key>
 <value>` (`retrieval:1/8:query-tokens=128`). Method names are not checked here: the engine
@@ -14,20 +14,17 @@ refuses one it does not have, and that refusal is reported.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import os
 import re
-import socket
-import subprocess
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-import httpx
-
 from kvmem_llama.errors import KvmemError
+from kvmem_llama.models import resolve_model
+from kvmem_llama.models.gguf_info import model_info
+from kvmem_llama.serving.launch import ServerHandle, start_server
+from kvmem_llama.serving.process import ServerFailed
 
 METHODS = ("retrieval", "recency")  # what engines have had from the start; others are the engine's to accept
 METHOD_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -167,50 +164,9 @@ class Served:
     log_offset: int = 0  # this run's lines begin here (the launcher appends to a per-name log)
 
 
-@dataclass
-class _Started:
-    url: str
-    model_id: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-def resolve_model(model: str) -> Path:
-    """A GGUF path, or the name of a shipped model (smollm2, qwen2.5-coder:0.5b, ...)."""
-    path = Path(model).expanduser()
-    if path.is_file():
-        return path
-    from kvmem_llama.shipped import SHIPPED, shipped_model_path
-
-    if model in SHIPPED:
-        return shipped_model_path(model)
-    raise KvmemError(f"no model {model!r}", hint=f"a GGUF file or one of: {', '.join(SHIPPED)}")
-
-
 def training_context(model: str) -> int | None:
-    """The model's training context (GGUF `<arch>.context_length`); None when unknown."""
-    try:
-        from kvmem_llama import planner
-
-        n = planner.shape_from_gguf(resolve_model(model)).n_ctx_train
-    except Exception:  # unreadable metadata: let the server decide
-        return None
-    return int(n) or None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """The model's training context (GGUF `<arch>.context_length`); None when the header does not say."""
+    return model_info(resolve_model(model).path).native_ctx or None
 
 
 _REJECTED = re.compile(r"(invalid|unknown) argument:?\s*(--kvmem[\w-]*)")
@@ -253,51 +209,6 @@ def engine_refusal(log: str) -> KvmemError | None:
     return _rejection_error(flag) if flag else None
 
 
-def _fallback_start(model: str, *, extra_args: list[str], ctx: int | None, log_path: Path,
-                    ready_timeout: float) -> _Started:
-    from kvmem_llama.engine import require_engine
-
-    engine = require_engine("cpu")
-    path = resolve_model(model)
-    port = _free_port()
-    cmd = [str(engine.server), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(os.cpu_count() or 2), "-np", "1"]
-    if ctx:
-        cmd += ["-c", str(ctx)]
-    cmd += extra_args
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w", encoding="utf-8") as logfh:
-        proc = subprocess.Popen(cmd, stdout=logfh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    started = _Started(f"http://127.0.0.1:{port}", path.name, proc, log_path)
-    deadline = time.monotonic() + ready_timeout
-    while True:
-        if proc.poll() is not None:
-            log = log_path.read_text("utf-8", errors="replace")
-            refusal = engine_refusal(log)
-            if refusal:
-                raise refusal
-            raise KvmemError(f"llama-server exited with code {proc.returncode}:\n{log[-1500:]}",
-                             hint=f"full log: {log_path}")
-        try:
-            if httpx.get(f"{started.url}/health", timeout=2).status_code == 200:
-                return started
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            started.stop()
-            raise KvmemError(f"llama-server was not ready after {ready_timeout:.0f}s", hint=f"log: {log_path}")
-        time.sleep(0.25)
-
-
-def _accepts(func, name: str) -> bool:
-    try:
-        params = inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
 def _has_flag(args: list[str], *names: str) -> bool:
     return any(a in names or a.split("=", 1)[0] in names for a in args)
 
@@ -333,56 +244,28 @@ def serve(model: str, config: Config, length: int, ctx: int, log_path: Path,
           engine: str | None = None) -> Iterator[Served]:
     """Start a server for `config` at `length`; yields a `Served`; stops it afterwards.
 
-    With the launcher the server logs under the launcher's state folder (under `name`, which
-    must be unique among servers running at once); its lines are copied to `log_path` at the end.
+    The server logs under the server registry's folder (under `name`, which must be unique among
+    servers running at once); its lines are copied to `log_path` at the end.
     `on_start` receives a function that stops the server (for stopping it from another thread).
     `engine` picks the launcher's engine (a key of `kvmem engines`, "cpu" or "gpu"; default: by GPU).
     """
     args = eval_args(config, length, extra_args)
-    try:
-        from kvmem_llama.launcher import start_server  # the real launcher, once present
-    except ImportError:
-        start_server = None
-    if start_server is None:
-        if engine not in (None, "cpu"):
-            raise KvmemError(f"--engine {engine} needs kvmem's launcher; the built-in starter runs the CPU engine only")
-        started = _fallback_start(model, extra_args=args, ctx=ctx, log_path=log_path, ready_timeout=ready_timeout)
-        if on_start is not None:
-            on_start(started.stop)
-        try:
-            yield Served(started.url, started.model_id, started.log_path, 0)
-        finally:
-            started.stop()
-        return
 
-    options: dict = {}
-    if _accepts(start_server, "self_test"):
-        # the launcher's readiness self-test costs a request and adds SELECT lines; recency-only
-        # is meant to miss its needle; here the evaluation itself measures recall
-        options["self_test"] = False
-    if name and _accepts(start_server, "name"):
-        options["name"] = name
-    if engine:
-        options["engine"] = engine
-
-    def start(flags: list[str]):
+    def start(flags: list[str]) -> ServerHandle:
+        # no readiness self-test: it costs a request and adds SELECT lines, and recency-only is meant
+        # to miss its needle; here the evaluation itself measures recall
         try:
-            return start_server(model, extra_args=flags, ctx=ctx, ready_timeout=ready_timeout, **options)
-        except Exception as exc:  # the launcher's own errors, refined when a kvmem flag was refused
-            refusal = engine_refusal(str(exc))
-            if refusal is None:
-                log = getattr(exc, "log_path", None)
-                if log is None and getattr(exc, "hint", None) and "full log: " in str(exc.hint):
-                    log = str(exc.hint).split("full log: ", 1)[1].strip()
-                if log:
-                    with contextlib.suppress(OSError):
-                        refusal = engine_refusal(Path(log).read_text("utf-8", errors="replace")[-20000:])
+            return start_server(model, extra_args=flags, ctx=ctx, ready_timeout=ready_timeout, self_test=False,
+                                name=name, engine=engine)
+        except ServerFailed as exc:  # refined when the engine refused one of our kvmem flags
+            log = exc.log_path.read_text("utf-8", errors="replace")[-20000:] if exc.log_path else ""
+            refusal = engine_refusal(str(exc)) or engine_refusal(log)
             if refusal:
                 raise refusal from None
             raise
 
     handle = start(args)
-    if config.off and getattr(handle, "budget", 0):
+    if config.off and handle.budget:
         # the launcher's plan turned tiering on by itself; "off" must mean off
         handle.stop()
         handle = start(["--kvmem-budget", "0", *args])
@@ -390,7 +273,7 @@ def serve(model: str, config: Config, length: int, ctx: int, log_path: Path,
         on_start(handle.stop)
     try:
         with handle:
-            yield Served(handle.url, handle.model_id, Path(handle.log_path), int(getattr(handle, "log_offset", 0)))
+            yield Served(handle.url, handle.model_id, handle.log_path, handle.log_offset)
     finally:
-        if Path(handle.log_path) != log_path:
-            _copy_log(Path(handle.log_path), int(getattr(handle, "log_offset", 0)), log_path)
+        if handle.log_path != log_path:
+            _copy_log(handle.log_path, handle.log_offset, log_path)

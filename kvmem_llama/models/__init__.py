@@ -2,7 +2,8 @@
 
 The entry point for other code is `resolve_model(name_or_path, pull=..., confirm=...)`:
 an alias (`qwen27b`, `smollm2`), `OWNER/REPO:FILE.gguf`, a stored file's name or sha256
-prefix, or a path to a GGUF file -> a ResolvedModel with a verified path.
+prefix, or a path to a GGUF file -> a ResolvedModel with a verified path. No name at all
+means the embedded default model (DEFAULT_MODEL, SmolLM2).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvmem_llama.default_model import DEFAULT_MODEL
 from kvmem_llama.errors import KvmemError, VerificationError
+from kvmem_llama.files import sha256_file
 from kvmem_llama.models import catalog as _catalog
 from kvmem_llama.models import hf_cache, store
 from kvmem_llama.models.catalog import REPO_RE, CatalogEntry, load_catalog, suggestions, validate_repo_file
-from kvmem_llama.models.download import Download, Progress, download_verified, sha256_file
+from kvmem_llama.models.download import Download, Progress, download_verified
 from kvmem_llama.models.store import Record
 
 __all__ = [
@@ -30,15 +33,19 @@ Confirm = Callable[[str], bool]
 
 def __getattr__(name: str) -> Any:
     # gguf (and numpy) load only when something reads a header: keeps `kvmem --help` fast
-    if name in ("GGUFFormatError", "ModelInfo", "model_info"):
+    if name in ("ModelInfo", "model_info"):
         from kvmem_llama.models import gguf_info
 
         return getattr(gguf_info, name)
+    if name == "GGUFFormatError":
+        from kvmem_llama.models.gguf_header import GGUFFormatError
+
+        return GGUFFormatError
     raise AttributeError(name)
 
 
 def check_gguf(path: Path) -> Any:
-    from kvmem_llama.models.gguf_info import check_gguf as _check
+    from kvmem_llama.models.gguf_header import check_gguf as _check
 
     return _check(path)
 
@@ -51,6 +58,11 @@ class ResolvedModel:
     record: Record | None = None
 
     @property
+    def name(self) -> str:
+        """What to call the model: its alias, else its file name without .gguf."""
+        return self.alias or self.path.stem
+
+    @property
     def sha256(self) -> str | None:
         return self.record.sha256 if self.record else None
 
@@ -60,6 +72,23 @@ class ResolvedModel:
 
     def profile_for(self, vram_gib: float) -> dict[str, Any] | None:
         return self.entry.profile_for(vram_gib) if self.entry else None
+
+
+def expected_sha256(model: ResolvedModel) -> tuple[str | None, str]:
+    """(the sha256 the model's file should have, whose word that is): the model store's record of
+    the file (hashed when it was pulled or imported, checked against the hub or catalog then), else
+    the shipped model of that file name, else the catalog entry it resolved to; (None, "") if none."""
+    from kvmem_llama.shipped import SHIPPED
+
+    record = model.record or store.find(str(model.path))
+    if record is not None:
+        return record.sha256, "model store record"
+    shipped = next((m for m in SHIPPED.values() if m.filename == model.path.name), None)
+    if shipped is not None:
+        return shipped.sha256, f"shipped model {shipped.name}"
+    if model.entry is not None and model.entry.sha256:
+        return model.entry.sha256, "catalog"
+    return None, ""
 
 
 def search(text: str = "") -> list[CatalogEntry]:
@@ -198,15 +227,16 @@ def pull_model(name: str, *, connections: int = 8, insecure: bool = False, progr
                      confirm=confirm, max_retries=max_retries, backoff=backoff)
 
 
-def resolve_model(name_or_path: str, *, pull: bool = False, confirm: Confirm | None = None,
+def resolve_model(name_or_path: str | None, *, pull: bool = False, confirm: Confirm | None = None,
                   progress: Progress | None = None, connections: int = 8, insecure: bool = False) -> ResolvedModel:
     """Find (and with pull=True, fetch) a model; the returned path is a GGUF that passed verification.
 
     name_or_path: an alias from the catalog, OWNER/REPO:FILE.gguf, a stored model (alias, file
-    name, sha256 prefix) or a path. `confirm(message) -> bool` is asked before a download starts.
-    Without pull=True nothing is downloaded: a missing model raises KvmemError with the pull command.
+    name, sha256 prefix) or a path; None is the default model. `confirm(message) -> bool` is asked
+    before a download starts. Without pull=True nothing is downloaded: a missing model raises
+    KvmemError with the pull command.
     """
-    name = name_or_path.strip()
+    name = DEFAULT_MODEL if name_or_path is None else name_or_path.strip()
     if not name:
         raise KvmemError("empty model name", hint="an alias like smollm2, or a path to a .gguf file")
     if "\x00" in name:

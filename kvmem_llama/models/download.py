@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import random
@@ -29,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from kvmem_llama.errors import KvmemError, VerificationError
+from kvmem_llama.files import sha256_file
 
 MIN_SEGMENT = 512 * 1024
 SEGMENTS_PER_CONNECTION = 4
@@ -89,18 +89,6 @@ def _write_state(state_path: Path, state: dict) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, state_path)
-
-
-def sha256_file(path: Path, progress: Progress | None = None, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as fh:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while n := fh.readinto(buf):
-            digest.update(view[:n])
-            if progress:
-                progress.advance(n)
-    return digest.hexdigest()
 
 
 class SegmentedDownloader:
@@ -319,7 +307,7 @@ def download_verified(client: httpx.Client, job: Download, target: Path, partial
                       backoff: float = 0.5, progress: Progress | None = None,
                       before_rename: Callable[[Path], None] | None = None) -> Path:
     """Download `job` into `target`: resume if possible, verify size + sha256 + GGUF, rename atomically."""
-    from kvmem_llama.models.gguf_info import GGUFFormatError, check_gguf  # numpy-heavy: import when needed
+    from kvmem_llama.models.gguf_header import GGUFFormatError, check_gguf  # numpy-heavy: import when needed
 
     progress = progress or Progress()
     partial_dir.mkdir(parents=True, exist_ok=True)

@@ -1,37 +1,20 @@
-"""GGUF header reading: format checks and the model facts kvmem needs (layers, heads, KV bytes per token).
-
-The header is parsed directly over an mmap using the `gguf` package's constants (value types,
-quantization block sizes). `gguf.GGUFReader` gives the same answers but materializes every
-tokenizer array as numpy views, which takes seconds for a 150K-token vocabulary; here large
-arrays are skipped and only their type and length are kept, so inspecting any model is
-milliseconds. tests/test_models_inspect.py cross-checks both readers on a real file.
+"""What a GGUF header means for running the model: layers with a KV cache, KV bytes per token
+per cache type, weights, the MTP head, sliding-window layers. One `ModelInfo` per file, read by
+kvmem_llama.models.gguf_header; `kvmem inspect`, the planner and `kvmem doctor` all take it.
 """
 
 from __future__ import annotations
 
-import mmap
-import struct
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvmem_llama.errors import KvmemError
-
-GGUF_MAGIC = b"GGUF"
-READABLE_VERSIONS = (2, 3)  # what llama.cpp (and so this engine) loads; v1 was dropped upstream
-SMALL_ARRAY = 4096  # arrays up to this many elements are read (per-layer tables); larger ones only sized
-
-_SCALAR = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
-
-# K/V cache element types reported by inspect (block size, bytes per block) from the gguf package.
-KV_CACHE_TYPES = ("f16", "q8_0", "q5_0", "q4_0")
+from kvmem_llama.models.gguf_header import ArrayInfo, GGUFHeader, read_header
 
 # Architectures whose every block is recurrent (no KV cache at all).
 _RECURRENT_ARCHS = {"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"}
@@ -45,211 +28,30 @@ _SWA_PATTERNS = {"gemma2": (2, False), "gemma3": (6, False), "gemma-embedding": 
 _INTERVAL_ARCHS = {"qwen3next", "qwen35", "qwen35moe"}
 
 
-class GGUFFormatError(KvmemError):
-    """The file is not a GGUF this engine can read (wrong magic, version, truncated, ...)."""
+# K/V cache types llama.cpp accepts for -ctk/-ctv; their (elements, bytes) per block come from gguf.
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
 
 
-@dataclass(frozen=True)
-class ArrayInfo:
-    """A large metadata array that was skipped, not read."""
-
-    type: str
-    count: int
-
-
-@dataclass
-class TensorInfo:
-    name: str
-    shape: tuple[int, ...]
-    type: str
-    offset: int
-    nbytes: int | None  # None for a quantization type the gguf package does not know
-
-
-@dataclass
-class GGUFHeader:
-    path: Path
-    version: int
-    file_size: int
-    metadata: dict[str, Any]
-    tensors: list[TensorInfo]
-    data_offset: int
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
-
-    @property
-    def arch(self) -> str:
-        return str(self.metadata.get("general.architecture", "unknown"))
-
-
-def _looks_like(head: bytes) -> str:
-    text = head.lstrip().lower()
-    if text.startswith((b"<!doctype html", b"<html")):
-        return "an HTML page (an error page saved as the model?)"
-    if text.startswith((b"{", b"[")):
-        return "JSON text (an API error answer?)"
-    if head.startswith(b"version https://git-lfs"):
-        return "a Git LFS pointer file, not the model itself"
-    if head.startswith(b"PK"):
-        return "a zip archive"
-    if head[:4] in (b"\x00\x00\x00\x00", b""):
-        return "zeros / empty data"
-    return f"bytes {head[:8]!r}"
-
-
-class _Cursor:
-    def __init__(self, buf: mmap.mmap | bytes, path: Path, size: int):
-        self.buf, self.pos, self.path, self.size = buf, 0, path, size
-
-    def need(self, n: int) -> None:
-        if self.pos + n > self.size:
-            raise GGUFFormatError(
-                f"{self.path}: truncated GGUF header (needs byte {self.pos + n}, file has {self.size})",
-                hint="the file is incomplete; download it again (kvmem pull) or re-copy it",
-            )
-
-    def unpack(self, fmt: str) -> Any:
-        n = struct.calcsize(fmt)
-        self.need(n)
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += n
-        return value
-
-    def string(self) -> str:
-        n = self.unpack("<Q")
-        if n > 1 << 30:
-            raise GGUFFormatError(f"{self.path}: corrupt GGUF header (string of {n} bytes at {self.pos - 8})")
-        self.need(n)
-        raw = bytes(self.buf[self.pos:self.pos + n])
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
-
-    def skip_string(self) -> None:
-        n = self.unpack("<Q")
-        self.need(n)
-        self.pos += n
-
-    def value(self, vtype: int) -> Any:
-        try:
-            t = GGUFValueType(vtype)
-        except ValueError:
-            raise GGUFFormatError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}") from None
-        if t == GGUFValueType.STRING:
-            return self.string()
-        if t == GGUFValueType.ARRAY:
-            etype = self.unpack("<I")
-            count = self.unpack("<Q")
-            try:
-                et = GGUFValueType(etype)
-            except ValueError:
-                raise GGUFFormatError(f"{self.path}: unknown GGUF array type {etype}") from None
-            if et == GGUFValueType.ARRAY:
-                raise GGUFFormatError(f"{self.path}: nested GGUF arrays are not supported")
-            if count <= SMALL_ARRAY:
-                return [self.value(etype) for _ in range(count)]
-            if et == GGUFValueType.STRING:
-                for _ in range(count):
-                    self.skip_string()
-            else:
-                n = struct.calcsize(_SCALAR[et]) * count
-                self.need(n)
-                self.pos += n
-            return ArrayInfo(et.name.lower(), count)
-        return self.unpack(_SCALAR[t])
-
-
-def tensor_nbytes(shape: tuple[int, ...], type_id: int) -> int | None:
-    try:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
-    except (ValueError, KeyError):
-        return None
-    n = 1
-    for d in shape:
-        n *= d
-    return n // block * size
-
-
-def read_header(path: str | Path) -> GGUFHeader:
-    """Parse a GGUF header; raise GGUFFormatError with what was found if it is not a readable GGUF."""
-    path = Path(path)
-    if not path.is_file():
-        raise KvmemError(f"no such model file: {path}")
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        if size < 24:
-            head = fh.read(64)
-            raise GGUFFormatError(
-                f"{path}: not a GGUF file ({size} bytes; found {_looks_like(head)})",
-                hint="the file is empty or truncated; download it again",
-            )
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse(buf, path, size)
-
-
-def _parse(buf: mmap.mmap, path: Path, size: int) -> GGUFHeader:
-    if buf[:4] != GGUF_MAGIC:
-        raise GGUFFormatError(
-            f"{path}: not a GGUF file (found {_looks_like(bytes(buf[:64]))})",
-            hint="pass a .gguf model file; other formats (safetensors, bin) need converting with llama.cpp",
-        )
-    cur = _Cursor(buf, path, size)
-    cur.pos = 4
-    version = cur.unpack("<I")
-    if version not in READABLE_VERSIONS:
-        swapped = struct.unpack("<I", struct.pack(">I", version))[0]
-        if swapped in READABLE_VERSIONS:
-            raise GGUFFormatError(f"{path}: big-endian GGUF (v{swapped}); this engine reads little-endian files only",
-                                  hint="use a little-endian conversion of the model")
-        if version == 1:
-            raise GGUFFormatError(f"{path}: GGUF version 1 is no longer readable by llama.cpp",
-                                  hint="re-convert the model with a current llama.cpp convert script")
-        raise GGUFFormatError(
-            f"{path}: GGUF version {version}, but this engine reads versions "
-            f"{'/'.join(map(str, READABLE_VERSIONS))}",
-            hint="update kvmem-llama (a newer engine), or use a file converted for current llama.cpp",
-        )
-    n_tensors = cur.unpack("<Q")
-    n_kv = cur.unpack("<Q")
-    if n_tensors > 1 << 24 or n_kv > 1 << 24:
-        raise GGUFFormatError(f"{path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} keys)")
-    metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.unpack("<I"))
-    tensors: list[TensorInfo] = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        n_dims = cur.unpack("<I")
-        if n_dims > 8:
-            raise GGUFFormatError(f"{path}: corrupt tensor info for {name!r} ({n_dims} dims)")
-        shape = tuple(cur.unpack("<Q") for _ in range(n_dims))
-        type_id = cur.unpack("<I")
-        offset = cur.unpack("<Q")
-        try:
-            type_name = GGMLQuantizationType(type_id).name
-        except ValueError:
-            type_name = f"type{type_id}"
-        tensors.append(TensorInfo(name, shape, type_name, offset, tensor_nbytes(shape, type_id)))
-    align = int(metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT) or GGUF_DEFAULT_ALIGNMENT)
-    data_offset = (cur.pos + align - 1) // align * align
-    end = max((t.offset + t.nbytes for t in tensors if t.nbytes is not None), default=0)
-    if data_offset + end > size:
-        raise GGUFFormatError(
-            f"{path}: truncated GGUF: tensor data needs {data_offset + end} bytes, the file has {size}",
-            hint="the file is incomplete (an interrupted copy or download); fetch it again",
-        )
-    return GGUFHeader(path, version, size, metadata, tensors, data_offset)
-
-
-def check_gguf(path: str | Path) -> GGUFHeader:
-    """The magic/version/size check run after every download and import."""
-    return read_header(path)
+def cache_type_bytes(cache_type: str, elements: int) -> int:
+    """Bytes of a K or V row of `elements` values stored as `cache_type`."""
+    if cache_type not in CACHE_TYPES:
+        raise KvmemError(f"unknown KV cache type {cache_type!r}", hint=f"one of: {', '.join(CACHE_TYPES)}")
+    per, size = GGML_QUANT_SIZES[GGMLQuantizationType[cache_type.upper()]]
+    if elements % per:
+        raise KvmemError(f"{cache_type} needs rows that are a multiple of {per} values, this layer has {elements}",
+                         hint="use f16 for this model's KV cache")
+    return elements // per * size
 
 
 @dataclass
 class ModelInfo:
-    """What `kvmem inspect` shows; also stored in the model store's records."""
+    """What kvmem knows of a model from its GGUF header: `kvmem inspect` shows it, the planner plans
+    with it, `kvmem doctor` checks it, and the model store keeps a summary in its records.
+
+    KV bytes count only layers that keep a KV cache: for a layer with `h` KV heads and head dims
+    `dk`/`dv`, one token costs `h*dk` K and `h*dv` V values in the cache type (f16 2 bytes, q8_0
+    34 per 32, q5_0 22 per 32, q4_0 18 per 32). Qwen3.8-27B: 16 * 4 * 256 * (K+V) * 2 B = 64 KiB.
+    """
 
     path: str
     file_size: int
@@ -260,23 +62,29 @@ class ModelInfo:
     n_attention_layers: int
     n_recurrent_layers: int
     attention_layers: list[int]
+    kv_heads: list[int]  # per main-model layer; 0 = the layer keeps no KV cache (recurrent)
     n_heads: int | None
     n_kv_heads: int | None
     head_dim_k: int | None
     head_dim_v: int | None
     embedding_length: int | None
+    n_vocab: int | None
     native_ctx: int | None
     sliding_window: int | None
     rope: dict[str, Any]
     file_type: int | None
     n_tensors: int
     n_params: int
+    weights_bytes: int  # every tensor whose type the gguf package knows (see unknown_tensor_types)
+    unknown_tensor_types: list[str]
     quant_mix: dict[str, dict[str, int]]  # type -> {"tensors": n, "bytes": b}, largest first
     mtp_layers: int  # nextn / multi-token-prediction blocks in the file
+    mtp_weights_bytes: int = 0  # part of weights_bytes that only the MTP draft needs
+    mtp_kv_heads: int = 0
     swa_layers: list[int] = field(default_factory=list)  # attention layers limited to the sliding window
-    kv_bytes_per_token: dict[str, float] = field(default_factory=dict)  # all attention layers, K+V
+    kv_bytes_per_token: dict[str, int] = field(default_factory=dict)  # all attention layers, K+V, per cache type
     # growth per token past the sliding window (non-SWA attention layers only); == kv_bytes_per_token without SWA
-    kv_bytes_per_token_full_attention: dict[str, float] = field(default_factory=dict)
+    kv_bytes_per_token_full_attention: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -285,6 +93,36 @@ class ModelInfo:
         total = sum(v["bytes"] for v in self.quant_mix.values()) or 1
         parts = [f"{k} {100 * v['bytes'] / total:.0f}%" for k, v in list(self.quant_mix.items())[:top]]
         return " ".join(parts)
+
+    @property
+    def trunk_weights_bytes(self) -> int:
+        return self.weights_bytes - self.mtp_weights_bytes
+
+    def kv_bytes(self, ctk: str = "f16", ctv: str | None = None) -> int:
+        """K+V bytes per token over the layers with a KV cache, K stored as `ctk` and V as `ctv`."""
+        return _kv_bytes(self.kv_heads, self.head_dim_k or 0, self.head_dim_v or 0, ctk, ctv or ctk)
+
+    def mtp_kv_bytes(self, ctk: str = "f16", ctv: str | None = None) -> int:
+        """The same for the MTP draft's layers (0 without an MTP head)."""
+        heads = [self.mtp_kv_heads] * self.mtp_layers
+        return _kv_bytes(heads, self.head_dim_k or 0, self.head_dim_v or 0, ctk, ctv or ctk)
+
+
+def _kv_bytes(kv_heads: list[int], head_dim_k: int, head_dim_v: int, ctk: str, ctv: str) -> int:
+    return sum(cache_type_bytes(ctk, h * head_dim_k) + cache_type_bytes(ctv, h * head_dim_v) for h in kv_heads if h)
+
+
+def _kv_table(kv_heads: list[int], head_dim_k: int | None, head_dim_v: int | None) -> dict[str, int]:
+    """K+V bytes per token for every cache type these head sizes allow (quantized rows need whole blocks)."""
+    table: dict[str, int] = {}
+    if not head_dim_k or not head_dim_v:
+        return table
+    for cache_type in CACHE_TYPES:
+        try:
+            table[cache_type] = _kv_bytes(kv_heads, head_dim_k, head_dim_v, cache_type, cache_type)
+        except KvmemError:
+            continue
+    return table
 
 
 def _as_int(value: Any) -> int | None:
@@ -303,14 +141,38 @@ def _per_layer(value: Any, n: int) -> list[int] | None:
     return None if v is None else [v] * n
 
 
-def kv_bytes_per_token(n_kv_heads_per_layer: list[int], head_dim_k: int, head_dim_v: int) -> dict[str, float]:
-    """K+V cache bytes per token over the given (attention) layers for each KV cache type."""
-    out: dict[str, float] = {}
-    for name in KV_CACHE_TYPES:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]]
-        elems = sum(h * (head_dim_k + head_dim_v) for h in n_kv_heads_per_layer)
-        out[name] = elems * size / block
-    return out
+def _keeps_kv(arch: str, key, n_layers: int, n_kv: list[int]) -> list[bool]:
+    """Which main-model layers keep a KV cache: an explicit recurrent table, the interval rule of the
+    hybrids, an all-recurrent arch, or else per-layer KV heads of 0."""
+    recurrent = key("attention.recurrent_layers")
+    if isinstance(recurrent, list) and recurrent:
+        is_recurrent = [bool(x) for x in recurrent][:n_layers]
+    elif arch in _INTERVAL_ARCHS:
+        interval = _as_int(key("full_attention_interval")) or 4
+        is_recurrent = [(i + 1) % interval != 0 for i in range(n_layers)]
+    elif arch in _RECURRENT_ARCHS:
+        is_recurrent = [True] * n_layers
+    else:
+        is_recurrent = [kv == 0 for kv in n_kv[:n_layers]]
+    is_recurrent += [False] * (n_layers - len(is_recurrent))
+    return [not r for r in is_recurrent]
+
+
+def _swa_layers(arch: str, key, attention: list[int]) -> list[int]:
+    """Attention layers that see only the sliding window (llama_hparams::set_swa_pattern)."""
+    window = _as_int(key("attention.sliding_window")) or 0
+    if window <= 0:
+        return []
+    pattern = key("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return [i for i in attention if i < len(pattern) and bool(pattern[i])]
+    if arch not in _SWA_PATTERNS and _as_int(pattern) is None:
+        return []
+    n, dense_first = _SWA_PATTERNS.get(arch, (0, False))
+    if _as_int(pattern) is not None:
+        n = _as_int(pattern)
+    # n == 0 means every layer is SWA
+    return [i for i in attention if n == 0 or (i % n != 0 if dense_first else i % n < n - 1)]
 
 
 def model_info(source: str | Path | GGUFHeader) -> ModelInfo:
@@ -326,28 +188,18 @@ def model_info(source: str | Path | GGUFHeader) -> ModelInfo:
     if not mtp:  # some converters only leave the tensors behind
         mtp = len({t.name.split(".")[1] for t in h.tensors if ".nextn." in t.name})
     n_layers = max(n_block - mtp, 0)
-    n_heads_l = _per_layer(key("attention.head_count"), n_layers) or []
-    n_kv_l = _per_layer(key("attention.head_count_kv"), n_layers) or list(n_heads_l)
+    n_heads_l = _per_layer(key("attention.head_count"), n_block) or []
+    n_kv_all = _per_layer(key("attention.head_count_kv"), n_block) or list(n_heads_l)
     n_embd = _as_int(key("embedding_length"))
     n_heads = max(n_heads_l) if n_heads_l else None
     head_k = _as_int(key("attention.key_length")) or (n_embd // n_heads if n_embd and n_heads else None)
     head_v = _as_int(key("attention.value_length")) or head_k
 
-    # Which layers keep a KV cache: explicit recurrent table, interval rule, or per-layer KV heads of 0.
-    recurrent = key("attention.recurrent_layers")
-    if isinstance(recurrent, list) and recurrent:
-        is_recr = [bool(x) for x in recurrent][:n_layers]
-    elif arch in _INTERVAL_ARCHS:
-        interval = _as_int(key("full_attention_interval")) or 4
-        is_recr = [(i + 1) % interval != 0 for i in range(n_layers)]
-    elif arch in _RECURRENT_ARCHS:
-        is_recr = [True] * n_layers
-    else:
-        is_recr = [kv == 0 for kv in n_kv_l] if n_kv_l else [False] * n_layers
-    is_recr += [False] * (n_layers - len(is_recr))
-    attn = [i for i in range(n_layers) if not is_recr[i]]
-    kv_heads_attn = [n_kv_l[i] if i < len(n_kv_l) else 0 for i in attn]
-    n_kv = max(kv_heads_attn) if kv_heads_attn else (max(n_kv_l) if n_kv_l else None)
+    keeps_kv = _keeps_kv(arch, key, n_layers, n_kv_all)
+    attn = [i for i in range(n_layers) if keeps_kv[i]]
+    kv_heads = [n_kv_all[i] if keeps_kv[i] and i < len(n_kv_all) else 0 for i in range(n_layers)]
+    kv_heads_attn = [kv_heads[i] for i in attn]
+    n_kv = max(kv_heads_attn) if kv_heads_attn else (max(n_kv_all) if n_kv_all else None)
 
     rope = {k.split(".rope.", 1)[1]: v for k, v in m.items()
             if k.startswith(f"{arch}.rope.") and not isinstance(v, ArrayInfo)}
@@ -355,39 +207,32 @@ def model_info(source: str | Path | GGUFHeader) -> ModelInfo:
     mix: Counter[str] = Counter()
     count: Counter[str] = Counter()
     n_params = 0
+    mtp_prefixes = tuple(f"blk.{i}." for i in range(n_layers, n_block))
+    mtp_bytes = 0
     for t in h.tensors:
         count[t.type] += 1
         mix[t.type] += t.nbytes or 0
-        p = 1
-        for d in t.shape:
-            p *= d
-        n_params += p
+        n_params += math.prod(t.shape)
+        if mtp_prefixes and t.name.startswith(mtp_prefixes):
+            mtp_bytes += t.nbytes or 0
     quant_mix = {k: {"tensors": count[k], "bytes": mix[k]} for k, _ in mix.most_common()}
+    unknown = sorted({t.type for t in h.tensors if t.nbytes is None})
 
-    window = _as_int(key("attention.sliding_window")) or 0
-    swa: list[int] = []
-    if window > 0:
-        pattern = key("attention.sliding_window_pattern")
-        if isinstance(pattern, list):
-            swa = [i for i in attn if i < len(pattern) and bool(pattern[i])]
-        elif arch in _SWA_PATTERNS or _as_int(pattern) is not None:
-            n, dense_first = _SWA_PATTERNS.get(arch, (0, False))
-            if _as_int(pattern) is not None:
-                n = _as_int(pattern)
-            # llama_hparams::set_swa_pattern: n == 0 means every layer is SWA
-            swa = [i for i in attn if n == 0 or (i % n != 0 if dense_first else i % n < n - 1)]
-    full = [i for i in attn if i not in set(swa)]
-    kv = kv_bytes_per_token(kv_heads_attn, head_k, head_v) if head_k and head_v else {}
-    kv_full = kv_bytes_per_token([n_kv_l[i] if i < len(n_kv_l) else 0 for i in full], head_k, head_v) \
-        if head_k and head_v else {}
+    swa = _swa_layers(arch, key, attn)
+    full_kv_heads = [0 if i in set(swa) else h_ for i, h_ in enumerate(kv_heads)]
+    tokens = m.get("tokenizer.ggml.tokens")
+    n_vocab = _as_int(key("vocab_size")) or (tokens.count if isinstance(tokens, ArrayInfo) else
+                                            len(tokens) if isinstance(tokens, list) else None)
     return ModelInfo(
         path=str(h.path), file_size=h.file_size, gguf_version=h.version,
         name=m.get("general.name") if isinstance(m.get("general.name"), str) else None,
         arch=arch, n_layers=n_layers, n_attention_layers=len(attn), n_recurrent_layers=n_layers - len(attn),
-        attention_layers=attn, n_heads=n_heads, n_kv_heads=n_kv, head_dim_k=head_k, head_dim_v=head_v,
-        embedding_length=n_embd, native_ctx=_as_int(key("context_length")),
+        attention_layers=attn, kv_heads=kv_heads, n_heads=n_heads, n_kv_heads=n_kv, head_dim_k=head_k,
+        head_dim_v=head_v, embedding_length=n_embd, n_vocab=n_vocab, native_ctx=_as_int(key("context_length")),
         sliding_window=_as_int(key("attention.sliding_window")), rope=rope,
         file_type=_as_int(m.get("general.file_type")), n_tensors=len(h.tensors), n_params=n_params,
-        quant_mix=quant_mix, mtp_layers=mtp, swa_layers=swa, kv_bytes_per_token=kv,
-        kv_bytes_per_token_full_attention=kv_full,
+        weights_bytes=sum(t.nbytes or 0 for t in h.tensors), unknown_tensor_types=unknown, quant_mix=quant_mix,
+        mtp_layers=mtp, mtp_weights_bytes=mtp_bytes, mtp_kv_heads=n_kv_all[-1] if mtp and n_kv_all else 0,
+        swa_layers=swa, kv_bytes_per_token=_kv_table(kv_heads, head_k, head_v),
+        kv_bytes_per_token_full_attention=_kv_table(full_kv_heads, head_k, head_v),
     )

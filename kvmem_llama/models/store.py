@@ -22,8 +22,9 @@ from typing import Any
 
 from kvmem_llama import paths
 from kvmem_llama.errors import KvmemError, VerificationError
-from kvmem_llama.models.catalog import SHA256_RE
-from kvmem_llama.models.download import Progress, sha256_file
+from kvmem_llama.files import atomic_write_text, sha256_file
+from kvmem_llama.models.catalog import ALIAS_RE, SHA256_RE
+from kvmem_llama.models.download import Progress
 
 
 def store_dir() -> Path:
@@ -69,11 +70,7 @@ def _record_path(sha256: str) -> Path:
 
 
 def save(record: Record) -> None:
-    index_dir().mkdir(parents=True, exist_ok=True)
-    target = _record_path(record.sha256)
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record.to_json(), indent=2, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, target)
+    atomic_write_text(_record_path(record.sha256), json.dumps(record.to_json(), indent=2, ensure_ascii=False))
 
 
 def records() -> list[Record]:
@@ -210,8 +207,9 @@ def _inside_store(target: Path) -> None:
         raise KvmemError(f"refusing to write outside the model store: {target}")
 
 
-def verify(rec: Record, progress: Progress | None = None, expected: str | None = None) -> str:
-    """Re-hash a stored file; update verified_at on success; raise VerificationError on mismatch."""
+def verify(rec: Record, progress: Progress | None = None) -> str:
+    """Re-hash a stored file against its recorded sha256; update verified_at on success; raise
+    VerificationError on a mismatch."""
     path = Path(rec.path)
     if not path.is_file():
         raise VerificationError(f"{rec.name}: file is missing: {path}",
@@ -220,11 +218,10 @@ def verify(rec: Record, progress: Progress | None = None, expected: str | None =
     if progress:
         progress.phase(f"hashing {rec.name}", size)
     got = sha256_file(path, progress)
-    want = expected or rec.sha256
-    if got != want:
-        raise VerificationError(f"{rec.name}: sha256 mismatch: expected {want}, got {got} ({path})",
+    if got != rec.sha256:
+        raise VerificationError(f"{rec.name}: sha256 mismatch: expected {rec.sha256}, got {got} ({path})",
                                 hint=f"the file changed on disk; `kvmem rm {rec.name}` and pull it again")
-    from kvmem_llama.models.gguf_info import check_gguf
+    from kvmem_llama.models.gguf_header import check_gguf
 
     check_gguf(path)
     rec.verified_at = time.time()
@@ -237,15 +234,19 @@ def import_file(src: Path, aliases: list[str] | tuple[str, ...] = (), progress: 
                 sha256: str | None = None) -> Record:
     """Bring a local GGUF into the store: hard link when possible, else copy; hash recorded."""
     src = Path(src).expanduser()
+    for alias in aliases:
+        if not ALIAS_RE.match(alias.lower()):
+            raise KvmemError(f"invalid alias {alias!r}", hint="lower-case letters, digits and . _ : + -")
     if not src.is_file():
         raise KvmemError(f"no such file: {src}")
-    from kvmem_llama.models.gguf_info import check_gguf
+    from kvmem_llama.models.gguf_header import check_gguf
 
     check_gguf(src)
     size = src.stat().st_size
     if progress:
         progress.phase(f"hashing {src.name}", size)
     got = sha256_file(src, progress)
+    sha256 = sha256.lower() if sha256 else None
     if sha256 and got != sha256:
         raise VerificationError(f"{src}: sha256 mismatch: expected {sha256}, got {got}")
     existing = find(got)

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import psutil
 
-from kvmem_llama import paths
+from kvmem_llama import hardware, paths
 from kvmem_llama.errors import KvmemError
+from kvmem_llama.files import atomic_write_text
+from kvmem_llama.serving.process import stop_process
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -60,6 +62,14 @@ class ServerRecord:
         return self.process() is not None
 
 
+def process_start_time(pid: int) -> float | None:
+    """What a record keeps to recognise its process later (None when it is already gone)."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
 def check_name(name: str) -> str:
     if not _NAME.match(name):
         raise KvmemError(f"invalid server name {name!r}",
@@ -87,12 +97,7 @@ def log_path(name: str) -> Path:
 
 
 def save(record: ServerRecord) -> Path:
-    path = record_path(record.name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(asdict(record), indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(record_path(record.name), json.dumps(asdict(record), indent=2) + "\n")
 
 
 def load(name: str) -> ServerRecord | None:
@@ -127,6 +132,15 @@ def require(name: str) -> ServerRecord:
     return record
 
 
+def log_file(name: str) -> Path:
+    """A server's log, also after its record is gone (a stopped server keeps its log)."""
+    record = load(name)
+    path = log_path(name) if record is None else Path(record.log_path)
+    if not path.exists():
+        raise KvmemError(f"no log for {name!r}", hint="see `kvmem ps` for server names")
+    return path
+
+
 def unique_name(base: str) -> str:
     """`base`, or `base-2`, `base-3`, ... when a live server already has that name."""
     base = slug(base)
@@ -137,39 +151,57 @@ def unique_name(base: str) -> str:
     return name
 
 
+def owner_of_port(port: int) -> str | None:
+    """The name of the live kvmem server on `port`, if one is."""
+    return next((r.name for r in list_records() if r.port == port and r.alive), None)
+
+
 def stop(record: ServerRecord, timeout: float = 15.0) -> str:
     """SIGTERM, then SIGKILL after `timeout` s. Returns "stopped", "killed" or "not running"."""
     proc = record.process()
-    result = "not running"
-    if proc is not None:
-        try:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-                result = "stopped"
-            except psutil.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-                result = "killed"
-        except psutil.NoSuchProcess:
-            result = "stopped"
+    result = "not running" if proc is None else stop_process(proc, timeout)
     remove(record.name)
     return result
 
 
-def status_row(record: ServerRecord, vram: dict[int, int] | None = None) -> dict:
-    """What `kvmem ps` shows for one record."""
-    proc = record.process()
-    rss = None
-    if proc is not None:
-        try:
-            rss = proc.memory_info().rss
-        except psutil.Error:
-            pass
-    return {
-        "name": record.name, "pid": record.pid, "port": record.port, "model": record.model_id,
-        "ctx": record.ctx, "budget": record.budget, "alive": proc is not None,
-        "uptime_s": time.time() - record.started_at if proc is not None else None,
-        "rss": rss, "vram": (vram or {}).get(record.pid), "detached": record.detached,
-        "url": record.url, "log": record.log_path,
-    }
+@dataclass
+class ServerStatus:
+    """One server as `kvmem ps` sees it."""
+
+    name: str
+    pid: int
+    port: int
+    model: str
+    ctx: int | None
+    budget: int
+    alive: bool
+    uptime_s: float | None
+    rss: int | None
+    vram: int | None
+    detached: bool
+    url: str
+    log: str
+
+
+def statuses() -> list[ServerStatus]:
+    """The registered servers, live or exited; records of foreground runs that died (with their
+    terminal) are dropped on the way: nobody is left to stop them."""
+    records = list_records()
+    vram = hardware.process_vram([r.pid for r in records])
+    out = []
+    for record in records:
+        proc = record.process()
+        if proc is None and not record.detached:
+            remove(record.name)
+            continue
+        rss = None
+        if proc is not None:
+            try:
+                rss = proc.memory_info().rss
+            except psutil.Error:
+                pass
+        out.append(ServerStatus(
+            record.name, record.pid, record.port, record.model_id, record.ctx, record.budget, proc is not None,
+            time.time() - record.started_at if proc is not None else None, rss, vram.get(record.pid),
+            record.detached, record.url, record.log_path))
+    return out

@@ -1,0 +1,151 @@
+"""llama-server argv: the flag groups kvmem sets, merging layers (plan < sampling profile < user
+flags), the sampling profiles, whether tiering is on, and what an engine's `--help` offers.
+
+A user flag replaces every spelling of the same flag that an earlier layer set (`--ctx-size=4096`
+replaces `-c 8192`); flags kvmem does not know pass through untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import subprocess
+from collections.abc import Sequence
+
+from kvmem_llama import planner
+from kvmem_llama.engine import Engine
+from kvmem_llama.errors import KvmemError
+
+SAMPLING_PROFILES: dict[str, dict[str, float]] = {
+    # at 0.7 agents repeat a failing tool call forever; tool use wants a colder sampler
+    "chat": {"--temp": 0.7, "--top-p": 0.9, "--top-k": 20, "--presence-penalty": 0.0},
+    "tool": {"--temp": 0.2, "--top-p": 0.8, "--top-k": 20, "--presence-penalty": 0.05},
+}
+# Spellings of the flags the launcher sets itself: a user flag in the same group replaces ours.
+FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("-m", "--model"), ("-a", "--alias"), ("--host",), ("--port",), ("-c", "--ctx-size"),
+    ("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v"), ("-fa", "--flash-attn"),
+    ("-ngl", "--gpu-layers", "--n-gpu-layers"), ("--temp", "--temperature"), ("--top-p",), ("--top-k",),
+    ("--presence-penalty",), ("--spec-type",), ("--strict-model-id",), ("--rpc",),
+    ("--kvmem-budget",), ("--kvmem-block",), ("--kvmem-gen-reserve",), ("--kvmem-host-mib",),
+    ("--kvmem-sink",), ("--kvmem-recent",), ("--kvmem-refresh",), ("--kvmem-method",),
+)
+SWITCHES = {"--strict-model-id"}  # flags of ours that take no value
+_GROUP_OF = {flag: group[0] for group in FLAG_GROUPS for flag in group}
+
+
+def engine_help(engine: Engine) -> str:
+    return _help_text(str(engine.server), engine.server.stat().st_mtime if engine.server.exists() else 0.0)
+
+
+@functools.lru_cache(maxsize=8)
+def _help_text(server: str, _mtime: float) -> str:
+    try:
+        out = subprocess.run([server, "--help"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KvmemError(f"cannot run {server} --help: {exc}", hint="rebuild the engine: kvmem build --force") from None
+    return out.stdout + out.stderr
+
+
+def supports(help_text: str, flag: str) -> bool:
+    """Does `llama-server --help` list this flag (as a whole word)?"""
+    return re.search(rf"(^|[\s,]){re.escape(flag)}(?=[\s,=]|$)", help_text, re.MULTILINE) is not None
+
+
+def flag_key(arg: str) -> str | None:
+    """The group a command-line token belongs to (`--ctx-size=4096` -> `-c`), or None for non-flags."""
+    if not arg.startswith("-") or arg[1:2].isdigit():
+        return None
+    name = arg.split("=", 1)[0]
+    return _GROUP_OF.get(name, name)
+
+
+def user_flags(args: Sequence[str]) -> dict[str, str | None]:
+    """{group key: value} of the flags the launcher knows in a user's llama-server arguments."""
+    found: dict[str, str | None] = {}
+    items = list(args)
+    for i, arg in enumerate(items):
+        key = flag_key(arg)
+        if key is None or key not in {g[0] for g in FLAG_GROUPS}:
+            continue
+        if "=" in arg:
+            found[key] = arg.split("=", 1)[1]
+        elif key in SWITCHES:
+            found[key] = None
+        else:
+            nxt = items[i + 1] if i + 1 < len(items) else None
+            found[key] = nxt if nxt is not None and flag_key(nxt) is None else None
+    return found
+
+
+def merge_args(*layers: Sequence[str]) -> list[str]:
+    """Concatenate argument layers (plan, profile, user); a later layer's flag drops earlier ones of its group.
+
+    Unknown flags pass through untouched. Values are recognised for the launcher's own flags only.
+    """
+    out: list[str] = []
+    for layer in layers:
+        overridden = set(user_flags(layer))
+        if overridden:
+            kept: list[str] = []
+            skip_value = False
+            for arg in out:
+                if skip_value:
+                    skip_value = False
+                    if flag_key(arg) is None:
+                        continue
+                key = flag_key(arg)
+                if key in overridden:
+                    skip_value = "=" not in arg and key not in SWITCHES
+                    continue
+                kept.append(arg)
+            out = kept
+        out.extend(layer)
+    return out
+
+
+def profile_args(profile: planner.Profile, help_text: str, tiering: bool, has_gpu: bool) -> list[str]:
+    """The plan's flags, for what this engine supports."""
+    args = ["-c", str(profile.ctx), "-ctk", profile.ctk, "-ctv", profile.ctv]
+    if profile.ctv not in ("f16", "bf16", "f32"):
+        args += ["-fa", "on"]  # a quantized V cache needs flash attention
+    if has_gpu:
+        args += ["-ngl", str(profile.n_gpu_layers if profile.n_gpu_layers is not None else 999)]
+    if tiering and profile.budget > 0:
+        args += ["--kvmem-budget", str(profile.budget), "--kvmem-block", str(profile.block),
+                 "--kvmem-gen-reserve", str(profile.gen_reserve)]
+        if profile.host_mib and supports(help_text, "--kvmem-host-mib"):
+            args += ["--kvmem-host-mib", str(profile.host_mib)]
+    if profile.draft_mtp and "draft-mtp" in help_text:
+        args += ["--spec-type", "draft-mtp"]
+    return args
+
+
+def sampling_args(mode: str) -> list[str]:
+    try:
+        profile = SAMPLING_PROFILES[mode]
+    except KeyError:
+        raise KvmemError(f"unknown mode {mode!r}", hint=f"one of: {', '.join(SAMPLING_PROFILES)}") from None
+    return [item for flag, value in profile.items() for item in (flag, f"{value:g}")]
+
+
+def decide_tiering(profile: planner.Profile, help_text: str,
+                   given: dict[str, str | None]) -> tuple[planner.Profile, bool, int, list[str]]:
+    """(profile to launch, tiering on?, budget in tokens, notes) for this engine and the user's flags.
+
+    Tiering is on when the plan wants a budget and the engine lists --kvmem-budget, or when the
+    user passes a non-zero --kvmem-budget. Without engine support the context shrinks to what fits.
+    """
+    notes: list[str] = []
+    tiering = profile.budget > 0 and supports(help_text, "--kvmem-budget")
+    if profile.budget > 0 and not tiering:
+        fitted = profile.budget + profile.gen_reserve
+        notes.append(f"this engine has no --kvmem-budget (KV tiering): context lowered from {profile.ctx} to {fitted}")
+        profile = dataclasses.replace(profile, ctx=fitted, budget=0, gen_reserve=0, host_mib=0)
+    budget = profile.budget if tiering else 0
+    if "--kvmem-budget" in given:  # the user's own tiering settings win
+        value = str(given["--kvmem-budget"] or "")
+        tiering = value.isdigit() and int(value) > 0
+        budget = int(value) if tiering else 0
+    return profile, tiering, budget, notes
