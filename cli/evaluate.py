@@ -16,7 +16,7 @@ from kvmem_llama.cli.console import console
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.evaluation import corpus
 from kvmem_llama.evaluation.client import EvalClient
-from kvmem_llama.evaluation.report import Summary, length_label, render, to_json
+from kvmem_llama.evaluation.report import Summary, columns, length_label, record_run, render, rows, to_json
 from kvmem_llama.evaluation.runner import RESULTS, Evaluation, Item, Plan, load_records
 from kvmem_llama.evaluation.servers import parse_budgets, parse_length
 from kvmem_llama.evaluation.tasks import ALIASES, TASKS, parse_depths, parse_tasks
@@ -61,30 +61,17 @@ def _summary_table(summary: Summary) -> Table:
                   show_lines=False)
     table.add_column("configuration")
     table.add_column("task")
-    for n in summary.lengths:
-        table.add_column(length_label(n), justify="right")
-        if summary.has_hits:
-            table.add_column(f"{length_label(n)} hit", justify="right")
-    for i, c in enumerate(summary.configs):
-        if i:
+    for head in columns(summary):
+        table.add_column(head, justify="right")
+    for i, row in enumerate(rows(summary)):
+        if i and row.task == summary.tasks[0]:
             table.add_section()
-        for t in summary.tasks:
-            row = []
-            for n in summary.lengths:
-                got = summary.estimates.get((c, t, n))
-                row.append(got.text() if got else "-")
-                if summary.has_hits:
-                    hit = summary.hits.get((c, t, n))
-                    row.append(hit.text() if hit else "-")
-            table.add_row(c, t, *row)
-        avg = []
-        for n in summary.lengths:
-            avg.append(f"[bold]{summary.overall[(c, n)]:.1f}[/]" if (c, n) in summary.overall else "-")
-            if summary.has_hits:
-                avg.append("")
-        lat = summary.latency.get(c)
-        table.add_row(f"[bold]{c}[/]", f"[bold]average[/] [dim]({lat:.1f} s/sample)[/]" if lat else "[bold]average[/]",
-                      *avg)
+        if row.task is not None:
+            table.add_row(row.config, row.task, *row.cells)
+            continue
+        lat = summary.latency.get(row.config)
+        label = f"[bold]average[/] [dim]({lat:.1f} s/sample)[/]" if lat else "[bold]average[/]"
+        table.add_row(f"[bold]{row.config}[/]", label, *row.shown(lambda c: f"[bold]{c}[/]"))
     return table
 
 
@@ -93,18 +80,6 @@ def _show_report(out: Path, order: list[str] | None = None) -> None:
     console.print(_summary_table(summary))
     for f in files:
         console.print(f"[dim]wrote[/] {f}")
-
-
-def _write_meta(out: Path, entry: dict) -> None:
-    path = out / "runs.json"
-    runs = []
-    if path.exists():
-        try:
-            runs = json.loads(path.read_text("utf-8"))
-        except json.JSONDecodeError:
-            runs = []
-    runs.append(entry)
-    path.write_text(json.dumps(runs, indent=2) + "\n", encoding="utf-8")
 
 
 @click.group("eval", invoke_without_command=True, context_settings={"max_content_width": 110})
@@ -179,7 +154,7 @@ def eval_group(ctx: click.Context, endpoint: str | None, model_id: str | None, l
     configs = parse_budgets(budgets, method) if run_model else []
     extra = [a for arg in server_args for a in shlex.split(arg)]
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_meta(out_dir, {"argv": ["kvmem", *sys.argv[1:]],
+    record_run(out_dir, {"argv": ["kvmem", *sys.argv[1:]],
                           "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                           "tasks": plan.tasks, "lengths": plan.lengths, "depths": plan.depths, "samples": samples,
                           "seed": seed, "jobs": jobs, "corpus": corpus.corpus_info(),

@@ -125,7 +125,7 @@ def run_checks(model: str | None = None, *, port: int = DEFAULT_PORT, ctx: int |
         expected, source = models.expected_sha256(resolved)
         if expected is None:
             checks.append(Check("checksum", "skip", "no recorded sha256 for this file",
-                                "import it with `kvmem import PATH` to record one"))
+                                "record one: `kvmem import PATH --alias NAME`, then `kvmem doctor NAME`"))
         else:
             got = sha256_file(resolved.path)
             if got == expected:

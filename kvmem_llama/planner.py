@@ -41,7 +41,7 @@ def compute_buffer_bytes(info: ModelInfo, ubatch: int = UBATCH) -> int:
 
 @dataclass
 class Profile:
-    """What the launcher turns into llama-server flags."""
+    """What serving.argv turns into llama-server flags."""
 
     device: str  # "gpu" or "cpu"
     ctx: int

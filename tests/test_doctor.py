@@ -109,6 +109,21 @@ def test_cli_exit_code(tmp_path: Path) -> None:
     assert good.returncode == 0, good.stdout + good.stderr
 
 
+def test_unrecorded_file_points_to_kvmem_import(smollm2: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVMEM_HOME", str(tmp_path / "home"))  # an empty model store
+    mine = tmp_path / "mine.gguf"
+    shutil.copyfile(smollm2, mine)
+    check = by_name(doctor.run_checks(str(mine), port=free_port(), hw=cpu_hw()))["checksum"]
+    assert check.status == "skip" and "`kvmem import PATH --alias NAME`" in check.fix
+    # what the fix says, done: the file then has a record and the check passes
+    done = subprocess.run([sys.executable, "-m", "kvmem_llama.cli.main", "import", str(mine), "--alias", "mine"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    check = by_name(doctor.run_checks("mine", port=free_port(), hw=cpu_hw()))["checksum"]
+    assert check.status == "ok" and "matches the model store record" in check.detail
+
+
 @pytest.mark.parametrize("label", ["modèle"])
 def test_non_ascii_path_is_reported(smollm2: Path, tmp_path: Path, label: str) -> None:
     folder = tmp_path / label

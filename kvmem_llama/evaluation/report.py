@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,30 +112,59 @@ def length_label(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def markdown(summary: Summary) -> str:
-    """One table: rows = configuration x task (+ an average row), columns = lengths (+ hit rate per length)."""
+@dataclass
+class Row:
+    """One row of the summary table: a (configuration, task) cell per length, or the configuration's
+    average over tasks (`task` None); with hit rates, each length has a second cell for them."""
+
+    config: str
+    task: str | None
+    cells: list[str]
+
+    def shown(self, bold: Callable[[str], str]) -> list[str]:
+        """The cells, the average's numbers marked with `bold` (markdown or console markup)."""
+        return [bold(c) if self.task is None and c not in ("", "-") else c for c in self.cells]
+
+
+def columns(summary: Summary) -> list[str]:
+    """The length columns of the table (each followed by its hit-rate column when there are hits)."""
     heads = []
     for n in summary.lengths:
         heads.append(length_label(n))
         if summary.has_hits:
             heads.append(f"{length_label(n)} hit")
-    lines = ["| configuration | task | " + " | ".join(heads) + " |", "|" + "---|" * (2 + len(heads))]
+    return heads
+
+
+def rows(summary: Summary) -> list[Row]:
+    """Per configuration: a row per task, then its average row."""
+    out = []
     for c in summary.configs:
         for t in summary.tasks:
-            row = []
+            cells = []
             for n in summary.lengths:
                 got = summary.estimates.get((c, t, n))
-                row.append(got.text() if got else "-")
+                cells.append(got.text() if got else "-")
                 if summary.has_hits:
                     hit = summary.hits.get((c, t, n))
-                    row.append(hit.text() if hit else "-")
-            lines.append(f"| {c} | {t} | " + " | ".join(row) + " |")
-        avg = []
+                    cells.append(hit.text() if hit else "-")
+            out.append(Row(c, t, cells))
+        averages = []
         for n in summary.lengths:
-            avg.append(f"**{summary.overall[(c, n)]:.1f}**" if (c, n) in summary.overall else "-")
+            averages.append(f"{summary.overall[(c, n)]:.1f}" if (c, n) in summary.overall else "-")
             if summary.has_hits:
-                avg.append("")
-        lines.append(f"| {c} | **average** | " + " | ".join(avg) + " |")
+                averages.append("")
+        out.append(Row(c, None, averages))
+    return out
+
+
+def markdown(summary: Summary) -> str:
+    """One table: rows = configuration x task (+ an average row), columns = lengths (+ hit rate per length)."""
+    heads = columns(summary)
+    lines = ["| configuration | task | " + " | ".join(heads) + " |", "|" + "---|" * (2 + len(heads))]
+    for row in rows(summary):
+        task = row.task if row.task is not None else "**average**"
+        lines.append(f"| {row.config} | {task} | " + " | ".join(row.shown(lambda c: f"**{c}**")) + " |")
     lines.append("")
     lines.append("Scores are the percent of expected strings found in the answer (case-insensitive), averaged "
                  "over samples and depths: mean [95% Wilson interval] (samples); the interval counts each "
@@ -218,6 +248,19 @@ def config_order(out_dir: Path) -> list[str]:
         return []
     labels = [c for run in runs if isinstance(run, dict) for c in run.get("configs") or []]
     return list(dict.fromkeys(labels))
+
+
+def record_run(out_dir: Path, entry: dict) -> None:
+    """Append one command's description (argv, plan, configuration labels) to OUT/runs.json."""
+    path = Path(out_dir) / "runs.json"
+    runs = []
+    if path.exists():
+        try:
+            runs = json.loads(path.read_text("utf-8"))
+        except json.JSONDecodeError:
+            runs = []
+    runs.append(entry)
+    path.write_text(json.dumps(runs, indent=2) + "\n", encoding="utf-8")
 
 
 def render(out_dir: Path, order: list[str] | None = None) -> tuple[Summary, list[Path]]:

@@ -367,7 +367,7 @@ class Evaluation:
         ctx = self._server_ctx(job.lengths)
         tag = re.sub(r"[^A-Za-z0-9._=-]+", "-", config.label.replace("/", "_"))
         log_path = log_dir / f"server-{tag}-{length}.log"
-        # launcher server names must differ between servers running at once (each has its own log)
+        # registered server names must differ between servers running at once (each has its own log)
         name = f"eval-{os.getpid()}-{job.index}-{re.sub(r'[^A-Za-z0-9]+', '-', config.label)[:32]}".rstrip("-")
         at = length if config.per_length else None
         self.reporter.server(config.label, at, None)
@@ -387,7 +387,7 @@ class Evaluation:
     def _server_ctx(self, lengths: list[int], n_ctx_train: int | None = None) -> int:
         """The -c of a server for these lengths: prompt + answer + the chat template, rounded up.
 
-        llama-server caps a slot at the model's training context (and the launcher then refuses
+        llama-server caps a slot at the model's training context (and readiness then refuses
         it as not the context asked for): the rounding headroom stops there.
         """
         need = max(lengths) + self.plan.max_output() + 64

@@ -161,7 +161,7 @@ class Served:
     url: str
     model_id: str
     log_path: Path | None = None
-    log_offset: int = 0  # this run's lines begin here (the launcher appends to a per-name log)
+    log_offset: int = 0  # this run's lines begin here (a registered server appends to its per-name log)
 
 
 def training_context(model: str) -> int | None:
@@ -228,7 +228,7 @@ def eval_args(config: Config, length: int, extra_args: list[str] | None = None) 
 
 
 def _copy_log(src: Path, start: int, dest: Path) -> None:
-    # the launcher logs under its own state folder; keep this run's part next to the results
+    # registered servers log under the registry's folder; keep this run's part next to the results
     with contextlib.suppress(OSError):
         dest.parent.mkdir(parents=True, exist_ok=True)
         with open(src, "rb") as fin, open(dest, "ab") as fout:
@@ -247,7 +247,7 @@ def serve(model: str, config: Config, length: int, ctx: int, log_path: Path,
     The server logs under the server registry's folder (under `name`, which must be unique among
     servers running at once); its lines are copied to `log_path` at the end.
     `on_start` receives a function that stops the server (for stopping it from another thread).
-    `engine` picks the launcher's engine (a key of `kvmem engines`, "cpu" or "gpu"; default: by GPU).
+    `engine` picks the engine (a key of `kvmem engines`, "cpu" or "gpu"; default: the one for this GPU).
     """
     args = eval_args(config, length, extra_args)
 
@@ -266,7 +266,7 @@ def serve(model: str, config: Config, length: int, ctx: int, log_path: Path,
 
     handle = start(args)
     if config.off and handle.budget:
-        # the launcher's plan turned tiering on by itself; "off" must mean off
+        # the plan turned tiering on by itself (the KV does not fit the GPU); "off" must mean off
         handle.stop()
         handle = start(["--kvmem-budget", "0", *args])
     if on_start is not None:

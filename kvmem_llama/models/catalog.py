@@ -3,7 +3,7 @@
 An entry names either a hub file (repo + exact `file`, or `quant` globs matched against the
 repo's file list at pull time) or a PyPI-shipped model (`shipped`, resolved through
 kvmem_llama.shipped). `profiles` are the recommended launch settings per VRAM tier, plain
-data for the launcher: pick the entry's `profile_for(vram_gib)`.
+data for `kvmem run` (serving.launch): pick the entry's `profile_for(vram_gib)`.
 """
 
 from __future__ import annotations

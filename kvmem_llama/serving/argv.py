@@ -22,7 +22,7 @@ SAMPLING_PROFILES: dict[str, dict[str, float]] = {
     "chat": {"--temp": 0.7, "--top-p": 0.9, "--top-k": 20, "--presence-penalty": 0.0},
     "tool": {"--temp": 0.2, "--top-p": 0.8, "--top-k": 20, "--presence-penalty": 0.05},
 }
-# Spellings of the flags the launcher sets itself: a user flag in the same group replaces ours.
+# Spellings of the flags kvmem sets itself: a user flag in the same group replaces ours.
 FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
     ("-m", "--model"), ("-a", "--alias"), ("--host",), ("--port",), ("-c", "--ctx-size"),
     ("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v"), ("-fa", "--flash-attn"),
@@ -62,7 +62,7 @@ def flag_key(arg: str) -> str | None:
 
 
 def user_flags(args: Sequence[str]) -> dict[str, str | None]:
-    """{group key: value} of the flags the launcher knows in a user's llama-server arguments."""
+    """{group key: value} of the flags kvmem sets itself, found in a user's llama-server arguments."""
     found: dict[str, str | None] = {}
     items = list(args)
     for i, arg in enumerate(items):
@@ -82,7 +82,7 @@ def user_flags(args: Sequence[str]) -> dict[str, str | None]:
 def merge_args(*layers: Sequence[str]) -> list[str]:
     """Concatenate argument layers (plan, profile, user); a later layer's flag drops earlier ones of its group.
 
-    Unknown flags pass through untouched. Values are recognised for the launcher's own flags only.
+    Unknown flags pass through untouched. Values are recognised for kvmem's own flags only.
     """
     out: list[str] = []
     for layer in layers:
