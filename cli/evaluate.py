@@ -16,8 +16,9 @@ from kvmem_llama.cli.console import console
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.evaluation import corpus
 from kvmem_llama.evaluation.client import EvalClient
+from kvmem_llama.evaluation.records import RESULTS, load_records
 from kvmem_llama.evaluation.report import Summary, columns, length_label, record_run, render, rows, to_json
-from kvmem_llama.evaluation.runner import RESULTS, Evaluation, Item, Plan, load_records
+from kvmem_llama.evaluation.runner import Evaluation, Item, Plan
 from kvmem_llama.evaluation.servers import parse_budgets, parse_length
 from kvmem_llama.evaluation.tasks import ALIASES, TASKS, parse_depths, parse_tasks
 

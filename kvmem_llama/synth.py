@@ -18,6 +18,10 @@ Layout and metadata follow the pinned llama.cpp loader (src/models/{llama,qwen3,
 src/llama-model.cpp load_hparams, src/llama-arch.cpp names): keys and tensor names are written
 as raw strings so any `gguf` version that can write a file works, whatever archs it knows.
 
+One module of ~650 lines on purpose: the shapes, the tensor plan, the metadata and the writer
+describe the same file tensor for tensor against one pinned loader, and each arch's part reads
+top to bottom next to the others; split up, adding an arch would touch every piece.
+
 The `qwen35-27b` preset is the Qwen3.8-27B shape (= the Qwen3.5/3.6-27B text config;
 sources: the public Qwen3.5-27B / Qwen3.6-27B `config.json` text_config as quoted in several
 public repositories and model cards, e.g. THUDM/slime scripts/models/qwen3.5-27B.sh):

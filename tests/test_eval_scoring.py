@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvmem_llama.errors import KvmemError
+from kvmem_llama.evaluation.records import ResultsLog, load_records
 from kvmem_llama.evaluation.report import markdown, render, summarize, to_json
-from kvmem_llama.evaluation.runner import Item, Plan, ResultsLog, load_records
+from kvmem_llama.evaluation.runner import Item, Plan
 from kvmem_llama.evaluation.scoring import score
 from kvmem_llama.evaluation.servers import (
     Config,

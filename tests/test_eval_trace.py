@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvmem_llama import kvmem_log
-from kvmem_llama.evaluation.runner import ServerLog, trace_fields
+from kvmem_llama.evaluation.records import ServerLog, trace_fields
 
 SELECT = ("kvmem_score: SELECT seq=0 n_blocks=64 budget_blocks=8 share=8 sink=1 recent=2 scored=4 staged_in={staged} "
           "staged_out=6 reused=2 query_tokens=32 ms=1.250 stage_ms=0.3 stage_mib=2.8 reason={reason} method=votes")

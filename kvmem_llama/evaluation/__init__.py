@@ -6,7 +6,8 @@ JSON lines that `report.render` turns into a table and PNG plots.
 """
 
 from kvmem_llama.evaluation.client import EvalClient
-from kvmem_llama.evaluation.runner import Evaluation, Item, Plan, load_records
+from kvmem_llama.evaluation.records import load_records
+from kvmem_llama.evaluation.runner import Evaluation, Item, Plan
 from kvmem_llama.evaluation.scoring import score
 from kvmem_llama.evaluation.servers import Config, parse_budgets, parse_length
 from kvmem_llama.evaluation.stats import Estimate, estimate, wilson

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmem_llama.errors import KvmemError
-from kvmem_llama.evaluation.runner import load_records
+from kvmem_llama.evaluation.records import load_records
 from kvmem_llama.evaluation.scoring import mean
 from kvmem_llama.evaluation.stats import Estimate, estimate, proportion
 
