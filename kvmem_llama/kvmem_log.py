@@ -1,7 +1,7 @@
 """Parse the engine's stable `kvmem_score:` log lines (see design notes, section 4).
 
     kvmem_score: ARMED blocks=.. block_tokens=.. layers=.. kv_heads=.. head_dim=.. budget_blocks=.. host_mib=..
-                 method=.. prefill=..
+                 method=.. prefill=.. gpu_type=K/V pool_type=K/V
     kvmem_score: SELECT seq=.. n_blocks=.. budget_blocks=.. share=.. sink=.. recent=.. scored=.. staged_in=..
                  staged_out=.. reused=.. query_tokens=.. ms=.. stage_ms=.. stage_mib=.. reason=.. pos=..
                  question=.. method=..
@@ -126,6 +126,15 @@ def iter_events(lines: Iterable[str] | str) -> Iterator[dict]:
 
 def selects(lines: Iterable[str] | str) -> list[dict]:
     return [e for e in iter_events(lines) if e["event"] == "SELECT"]
+
+
+def armed(lines: Iterable[str] | str) -> dict | None:
+    """The last ARMED event of a log (the tiered cache of the main context), or None."""
+    found = None
+    for event in iter_events(lines):
+        if event["event"] == "ARMED":
+            found = event
+    return found
 
 
 def follows(lines: Iterable[str] | str) -> list[dict]:

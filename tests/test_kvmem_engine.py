@@ -71,6 +71,23 @@ def test_identity_when_budget_covers_the_context(llama_server, smollm2) -> None:
     assert all(s["staged_in"] == 0 for s in kvmem_log.selects(log))
 
 
+def test_identity_with_a_quantized_pool_when_budget_covers_the_context(llama_server, smollm2) -> None:
+    """With -ctk/-ctv q8_0 and budget >= context: --kvmem-gpu-type same is token-identical to tiering off
+    with q8_0; f16 (the default) to tiering off with f16, since attention only reads the working set and
+    nothing comes back from the pool."""
+    prompt = essay(260) + "\nSummary of the story:"
+    base = ["-c", "4096", "-np", "1", "-fa", "on"]
+    q8 = ["-ctk", "q8_0", "-ctv", "q8_0"]
+    tiered = ["--kvmem-budget", "4096", *SMALL]
+    runs = {}
+    for name, args in [("off_q8", q8), ("off_f16", []), ("same", [*q8, *tiered, "--kvmem-gpu-type", "same"]),
+                       ("f16", [*q8, *tiered])]:
+        with llama_server(smollm2, [*base, *args]) as srv:
+            runs[name] = complete(srv.url, prompt, n_predict=32)["tokens"]
+    assert runs["same"] == runs["off_q8"]
+    assert runs["f16"] == runs["off_f16"]
+
+
 def test_prompt_of_8x_the_budget_completes_with_logs_metrics_props_slots(llama_server, smollm2) -> None:
     prompt = essay(420) + "\nSummary of the story:"
     args = ["-c", "8192", "-np", "1", "--metrics", "--slots", "--kvmem-budget", "512", *SMALL]
@@ -115,22 +132,46 @@ def test_tiering_off_by_default_and_metrics_stay_upstream(llama_server, smollm2)
     assert "kvmem_score:" not in log
 
 
-@pytest.mark.parametrize("cache_type", ["q8_0", "q5_0"])
-def test_quantized_kv_with_tiering_answers(llama_server, smollm2, cache_type: str) -> None:
-    """Quantized K/V rows go through the host pool byte for byte: most of the prompt is evicted during
-    prefill, the selection stages blocks back in, the turn's tail is recomputed, the answer stays right.
-    (The needle sits just before the question, so this checks the quantized data path, not retrieval.)"""
+@pytest.mark.parametrize(("cache_type", "gpu_type"), [("q8_0", "f16"), ("q5_0", "f16"), ("q5_0", "same")])
+def test_quantized_kv_with_tiering_answers(llama_server, smollm2, cache_type: str, gpu_type: str) -> None:
+    """-ctk/-ctv set the host pool's type; the working set is f16 (stage-in dequantizes, write-through
+    quantizes) or the pool's type (rows copied byte for byte). Most of the prompt is evicted during prefill,
+    the selection stages blocks back in, the turn's tail is recomputed, the answer stays right. (The needle
+    sits just before the question, so this checks the data path, not retrieval.)"""
     prompt = haystack_prompt(600, 0.97, "Orion", "4417093")
     args = ["-c", "4096", "-np", "1", "--metrics", "-ctk", cache_type, "-ctv", cache_type,
-            "--kvmem-budget", "640", *SMALL]
+            "--kvmem-budget", "640", *SMALL, "--kvmem-gpu-type", gpu_type]
     with llama_server(smollm2, args) as srv:
         out = complete(srv.url, prompt, n_predict=12)
         metrics = kvmem_metrics(srv.url)
+        props = httpx.get(f"{srv.url}/props", timeout=30).json()["kvmem"]
         log = srv.log()
+    armed = kvmem_log.armed(log)
+    working = "f16" if gpu_type == "f16" else cache_type
+    assert (armed["gpu_type"], armed["pool_type"]) == (f"{working}/{working}", f"{cache_type}/{cache_type}")
+    assert props["gpu_type"] == gpu_type
+    f16_row = armed["kv_heads"] * armed["head_dim"] * 2  # bytes of one K or V row in f16
+    f16_pool_mib = armed["blocks"] * armed["block_tokens"] * armed["layers"] * 2 * f16_row / 2**20
+    assert armed["host_mib"] < 0.6 * f16_pool_mib, (armed, f16_pool_mib)  # the history is stored quantized
     assert out["tokens_evaluated"] > 4 * 640
     assert kvmem_log.selects(log)
     assert metrics["kvmem_blocks_evicted_total"] > 0 and metrics["kvmem_blocks_staged_in_total"] > 0
     assert "4417093" in out["content"].replace(",", ""), out["content"]
+
+
+def test_deep_needle_comes_back_from_a_q8_pool_into_an_f16_working_set(llama_server, smollm2) -> None:
+    """A needle a fifth into a prompt 4x the budget is evicted during prefill: the answer needs its block
+    dequantized from the q8_0 pool. The f16 working set and the q8_0 one see the same blocks and answer alike."""
+    prompt = haystack_prompt(600, 0.2, "ZEBRA", "48213")
+    base = ["-c", "4096", "-np", "1", "-ctk", "q8_0", "-ctv", "q8_0", "--kvmem-budget", "1024", *SMALL]
+    answers, staged = {}, {}
+    for gpu_type in ("f16", "same"):
+        with llama_server(smollm2, [*base, "--kvmem-gpu-type", gpu_type]) as srv:
+            answers[gpu_type] = complete(srv.url, prompt, n_predict=8)["content"]
+            staged[gpu_type] = [s["staged_in"] for s in kvmem_log.selects(srv.log())]
+    assert "48213" in answers["f16"], answers
+    assert answers["f16"] == answers["same"], answers
+    assert staged["f16"] == staged["same"] and staged["f16"][-1] > 0, staged
 
 
 def test_host_pool_too_small_is_a_request_error_and_the_server_stays_up(llama_server, smollm2) -> None:
@@ -151,6 +192,7 @@ def test_invalid_flags_are_rejected_at_startup(cpu_engine: Engine, smollm2) -> N
         (["--kvmem-budget", "256"], "--kvmem-budget 256 is too small"),
         (["--kvmem-budget", "1024", "--kvmem-method", "best"], "--kvmem-method must be one of retrieval, recency"),
         (["--kvmem-budget", "1024", "--kvmem-prefill", "all"], "--kvmem-prefill must be window or retrieval"),
+        (["--kvmem-budget", "1024", "--kvmem-gpu-type", "bf16"], "--kvmem-gpu-type must be f16 or same"),
         (["--kvmem-budget", "1024", "-fa", "off"], "needs flash attention"),
     ]:
         proc = subprocess.run([str(cpu_engine.server), "-m", str(smollm2), *flags], capture_output=True,

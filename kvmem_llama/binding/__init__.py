@@ -66,6 +66,7 @@ def recent_log(n: int = 50) -> list[str]:
 
 
 PREFILL_MODES = {"window": 0, "retrieval": 1}
+GPU_TYPES = {"f16": 0, "same": 1}
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class KvmemConfig:
     refresh: int = 128  # re-select every N generated tokens; 0 = only when the reserve is full
     trace: bool = False
     prefill: str = "window"  # or "retrieval"
+    gpu_type: str = "f16"  # the working set's type over a quantized pool (type_k/type_v), or "same"
 
     def apply(self, cparams, lib) -> None:
         method = lib.llama_kvmem_method_from_name(self.method.encode())
@@ -91,6 +93,8 @@ class KvmemConfig:
                              hint="retrieval, recency, quest, meankey, subpage, votes or mass")
         if self.prefill not in PREFILL_MODES:
             raise KvmemError(f"unknown kvmem prefill mode {self.prefill!r}", hint="window or retrieval")
+        if self.gpu_type not in GPU_TYPES:
+            raise KvmemError(f"unknown kvmem GPU working-set type {self.gpu_type!r}", hint="f16 or same")
         cparams.kvmem_budget = self.budget
         cparams.kvmem_block = self.block
         cparams.kvmem_sink = self.sink
@@ -102,6 +106,7 @@ class KvmemConfig:
         cparams.kvmem_refresh = self.refresh
         cparams.kvmem_trace = self.trace
         cparams.kvmem_prefill = PREFILL_MODES[self.prefill]
+        cparams.kvmem_gpu_type = GPU_TYPES[self.gpu_type]
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,7 @@ struct llama_context_params {
     int32_t kvmem_refresh;
     bool kvmem_trace;
     int32_t kvmem_prefill;
+    int32_t kvmem_gpu_type;
 };
 
 struct llama_kvmem_stats {

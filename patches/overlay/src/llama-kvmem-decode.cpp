@@ -98,6 +98,7 @@ void llama_kvmem_configure(llama_cparams & cparams, const llama_context_params &
     kp.host_mib     = std::max(0, params.kvmem_host_mib);
     kp.method       = params.kvmem_method;
     kp.prefill      = params.kvmem_prefill;
+    kp.gpu_type     = params.kvmem_gpu_type;
     kp.trace        = params.kvmem_trace;
 
     if (params.ctx_type == LLAMA_CONTEXT_TYPE_MTP) {
@@ -125,6 +126,9 @@ void llama_kvmem_configure(llama_cparams & cparams, const llama_context_params &
         }
         if (kp.prefill != LLAMA_KVMEM_PREFILL_WINDOW && kp.prefill != LLAMA_KVMEM_PREFILL_RETRIEVAL) {
             throw std::runtime_error(format("--kvmem-prefill %d is unknown", kp.prefill));
+        }
+        if (kp.gpu_type != LLAMA_KVMEM_GPU_TYPE_F16 && kp.gpu_type != LLAMA_KVMEM_GPU_TYPE_SAME) {
+            throw std::runtime_error(format("--kvmem-gpu-type %d is unknown", kp.gpu_type));
         }
     }
     cparams.kvmem = kp;

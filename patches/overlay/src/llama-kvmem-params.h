@@ -22,6 +22,12 @@ enum llama_kvmem_prefill_e {
     LLAMA_KVMEM_PREFILL_RETRIEVAL = 1, // before each prompt batch, also the blocks its preceding tokens' queries pick
 };
 
+// the type of the GPU working set when -ctk/-ctv quantize the KV (the host pool keeps that type)
+enum llama_kvmem_gpu_type_e {
+    LLAMA_KVMEM_GPU_TYPE_F16  = 0, // f16 working set over a quantized host pool: stage-in dequantizes, write-through quantizes
+    LLAMA_KVMEM_GPU_TYPE_SAME = 1, // the working set has the pool's type (copies are plain)
+};
+
 struct llama_kvmem_params {
     uint32_t budget       = 0;   // GPU working-set tokens, 0 = tiering off
     uint32_t block        = 128; // tokens per block
@@ -33,6 +39,7 @@ struct llama_kvmem_params {
     uint32_t host_mib     = 0;   // host pool cap in MiB, 0 = enough for the whole context
     int32_t  method       = LLAMA_KVMEM_METHOD_RETRIEVAL;
     int32_t  prefill      = LLAMA_KVMEM_PREFILL_WINDOW;
+    int32_t  gpu_type     = LLAMA_KVMEM_GPU_TYPE_F16;
     bool     trace        = false;
 
     class llama_kvmem_cache * leader = nullptr; // MTP draft contexts: the target's tiered cache to follow

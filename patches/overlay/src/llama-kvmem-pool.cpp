@@ -74,34 +74,89 @@ void llama_kvmem_cache::init_pool(uint32_t n_ctx_total) {
             (double) host_slots*block_bytes/1024.0/1024.0, ggml_backend_buft_name(buft));
 }
 
+bool llama_kvmem_cache::converts(bool is_v) const {
+    return is_v ? pool_type_v != type_v() : pool_type_k != type_k();
+}
+
+void llama_kvmem_cache::convert_rows(ggml_type from, const void * src, ggml_type to, void * dst, size_t n_rows, int64_t n_per_row) {
+    // through f32 (the pool is quantized, the working set f16, or the reverse)
+    conv_f32.resize((size_t) n_rows*n_per_row);
+    ggml_get_type_traits(from)->to_float(src, conv_f32.data(), (int64_t) n_rows*n_per_row);
+    ggml_quantize_chunk(to, conv_f32.data(), dst, 0, (int64_t) n_rows, n_per_row, nullptr);
+}
+
 void llama_kvmem_cache::copy_block(uint8_t * host, const std::vector<uint32_t> & idx, bool to_device) {
-    // host slot layout: per tiered layer the block's K rows, then its V rows; cells idx[t] hold token t.
-    // Runs of consecutive cells move in one copy per layer and K/V.
+    // host slot layout: per tiered layer the block's K rows, then its V rows (pool type); cells idx[t] hold token t.
+    // Runs of consecutive cells move in one copy per layer and K/V. When the pool's type is not the working set's,
+    // the rows pass through a buffer of the working set's type: filled from the slot before the uploads, or by the
+    // downloads and then converted into the slot.
     const uint32_t B = kp.block;
+    const bool conv[2] = { converts(false), converts(true) };
+    // uploads read their buffer until copies_wait; downloads are waited for here, before their conversion
+    std::vector<uint8_t> down_buf;
+    uint8_t * ws = nullptr;
+    if (conv[0] || conv[1]) {
+        size_t n = 0;
+        for (uint32_t lt = 0; lt < n_lt; ++lt) {
+            n += (size_t) B*((conv[0] ? row_k[lt] : 0) + (conv[1] ? row_v[lt] : 0));
+        }
+        if (to_device) {
+            if (conv_pending > ((size_t) 256 << 20)) {
+                copies_wait(); // bound the host memory held by uploads in flight
+            }
+            conv_bufs.emplace_back(n);
+            ws = conv_bufs.back().data();
+            conv_pending += n;
+        } else {
+            down_buf.resize(n);
+            ws = down_buf.data();
+        }
+    }
+    struct part { uint32_t lt; ggml_tensor * tensor; uint8_t * host; uint8_t * rows; size_t row; bool conv; ggml_type pool; };
+    std::vector<part> parts;
+    parts.reserve(2*n_lt);
     for (uint32_t lt = 0; lt < n_lt; ++lt) {
-        uint8_t * hk = host;
-        uint8_t * hv = host + (size_t) B*row_k[lt];
+        uint8_t * hv = host + (size_t) B*hrow_k[lt];
+        for (const bool is_v : { false, true }) {
+            ggml_tensor * tensor = is_v ? layers[lt].v : layers[lt].k;
+            if (!tensor) {
+                continue;
+            }
+            const size_t row = is_v ? row_v[lt] : row_k[lt];
+            part p = { lt, tensor, is_v ? hv : host, is_v ? hv : host, row, conv[is_v], is_v ? pool_type_v : pool_type_k };
+            if (p.conv) {
+                p.rows = ws;
+                ws += (size_t) B*row;
+                if (to_device) {
+                    convert_rows(p.pool, p.host, tensor->type, p.rows, B, tensor->ne[0]);
+                }
+            }
+            parts.push_back(p);
+        }
+        host += (size_t) B*(hrow_k[lt] + hrow_v[lt]);
+    }
+    for (const part & p : parts) {
         for (uint32_t t = 0; t < B; ) {
             uint32_t r = 1;
             while (t + r < B && idx[t + r] == idx[t] + r) {
                 r++;
             }
-            for (const bool is_v : { false, true }) {
-                ggml_tensor * tensor = is_v ? layers[lt].v : layers[lt].k;
-                const size_t row = is_v ? row_v[lt] : row_k[lt];
-                if (!tensor) {
-                    continue;
-                }
-                uint8_t * h = (is_v ? hv : hk) + (size_t) t*row;
-                if (to_device) {
-                    upload(lt, tensor, h, (size_t) idx[t]*row, (size_t) r*row);
-                } else {
-                    download(lt, tensor, h, (size_t) idx[t]*row, (size_t) r*row);
-                }
+            uint8_t * h = p.rows + (size_t) t*p.row;
+            if (to_device) {
+                upload(p.lt, p.tensor, h, (size_t) idx[t]*p.row, (size_t) r*p.row);
+            } else {
+                download(p.lt, p.tensor, h, (size_t) idx[t]*p.row, (size_t) r*p.row);
             }
             t += r;
         }
-        host += (size_t) B*(row_k[lt] + row_v[lt]);
+    }
+    if (!to_device && (conv[0] || conv[1])) {
+        copies_wait();
+        for (const part & p : parts) {
+            if (p.conv) {
+                convert_rows(p.tensor->type, p.rows, p.pool, p.host, B, p.tensor->ne[0]);
+            }
+        }
     }
 }
 
@@ -130,6 +185,8 @@ void llama_kvmem_cache::copies_wait() {
         }
         copies_pending = false;
     }
+    conv_bufs.clear();
+    conv_pending = 0;
 }
 
 bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ubatches) {

@@ -68,6 +68,11 @@ llama_kvmem_cache * llama_kvmem_cache::from(llama_memory_i * mem) {
     return nullptr;
 }
 
+// the working set's type for a pool of type t
+static ggml_type kvmem_working_type(ggml_type t, const llama_kvmem_params & kp) {
+    return kp.gpu_type == LLAMA_KVMEM_GPU_TYPE_F16 && ggml_is_quantized(t) ? GGML_TYPE_F16 : t;
+}
+
 llama_kvmem_cache::llama_kvmem_cache(
         const llama_model & model,
         ggml_type type_k,
@@ -78,9 +83,10 @@ llama_kvmem_cache::llama_kvmem_cache(
         const llama_kvmem_params & kp_in,
         const layer_filter_cb & filter,
         llama_kvmem_cache * target) :
-    llama_kv_cache(model, model.hparams, type_k, type_v, /*v_trans*/ false, offload, /*unified*/ true,
+    llama_kv_cache(model, model.hparams, kvmem_working_type(type_k, kp_in), kvmem_working_type(type_v, kp_in),
+            /*v_trans*/ false, offload, /*unified*/ true,
             kp_in.budget + kp_in.gen_reserve*std::max<uint32_t>(1, n_seq_max), n_seq_max, 1, 0, LLAMA_SWA_TYPE_NONE, nullptr, filter, nullptr, nullptr, "kvmem"),
-    kp(kp_in) {
+    kp(kp_in), pool_type_k(type_k), pool_type_v(type_v) {
     const auto & hp = model.hparams;
     const uint32_t B = kp.block;
 
@@ -97,7 +103,18 @@ llama_kvmem_cache::llama_kvmem_cache(
         }
         row_k.push_back(layers[i].k->nb[1]);
         row_v.push_back(layers[i].v ? layers[i].v->nb[1] : 0);
-        block_bytes += (size_t) B*(row_k.back() + row_v.back());
+        for (const auto & [t, n] : { std::make_pair(pool_type_k, layers[i].k->ne[0]),
+                                     std::make_pair(pool_type_v, layers[i].v ? layers[i].v->ne[0] : 0) }) {
+            if (n % ggml_blck_size(t) != 0) {
+                throw std::runtime_error(format("KV tiering: a KV row of layer %d has %lld values, not a multiple of the "
+                            "%s block size %lld; choose another -ctk/-ctv", layers[i].il, (long long) n, ggml_type_name(t),
+                            (long long) ggml_blck_size(t)));
+            }
+        }
+        hrow_k.push_back(ggml_row_size(pool_type_k, layers[i].k->ne[0]));
+        hrow_v.push_back(layers[i].v ? ggml_row_size(pool_type_v, layers[i].v->ne[0]) : 0);
+        block_bytes += (size_t) B*(hrow_k.back() + hrow_v.back());
+        ws_block_bytes += (size_t) B*(row_k.back() + row_v.back());
     }
 
     const uint32_t il0 = n_lt ? layers[0].il : 0;
@@ -115,9 +132,11 @@ llama_kvmem_cache::llama_kvmem_cache(
         LLAMA_LOG_WARN("kvmem_score: DRAFT follows the target's selection: blocks=%u layers=%u host_mib=%.0f\n",
                 host_slots, n_lt, std::ceil(host_mib));
     } else {
-        LLAMA_LOG_WARN("kvmem_score: ARMED blocks=%u block_tokens=%u layers=%u kv_heads=%u head_dim=%u budget_blocks=%u host_mib=%.0f method=%s prefill=%s\n",
+        LLAMA_LOG_WARN("kvmem_score: ARMED blocks=%u block_tokens=%u layers=%u kv_heads=%u head_dim=%u budget_blocks=%u host_mib=%.0f method=%s prefill=%s "
+                "gpu_type=%s/%s pool_type=%s/%s\n",
                 host_slots, B, n_lt, n_head_kv, head_dim, budget_blocks, std::ceil(host_mib),
-                kvmem_scorer::method_name(scorer->method()), kp.prefill == LLAMA_KVMEM_PREFILL_RETRIEVAL ? "retrieval" : "window");
+                kvmem_scorer::method_name(scorer->method()), kp.prefill == LLAMA_KVMEM_PREFILL_RETRIEVAL ? "retrieval" : "window",
+                ggml_type_name(this->type_k()), ggml_type_name(this->type_v()), ggml_type_name(pool_type_k), ggml_type_name(pool_type_v));
     }
     LLAMA_LOG_INFO("%s: GPU working set %u cells (budget %u + gen reserve %u x %u sequences), sink %u block(s), recent %u block(s), "
             "query %u tokens, refresh %u\n", __func__, get_size(), kp.budget, kp.gen_reserve, n_seq_cap, sink_blocks, recent_blocks,
@@ -745,7 +764,7 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, const char * reason) {
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%zu staged_in=%u "
             "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s\n",
             seq_id, n_blocks, budget_blocks, std::min(budget_blocks, share_blocks(seq_id)), n_sink, n_recent, picks.size(), staged_in,
-            staged_out, reused, n_rows, ms, stage_ms, (double) staged_in*block_bytes/1024.0/1024.0, reason, pos, n_question,
+            staged_out, reused, n_rows, ms, stage_ms, (double) staged_in*ws_block_bytes/1024.0/1024.0, reason, pos, n_question,
             kvmem_scorer::method_name(scorer->method()));
     if (kp.trace) {
         trace_resident(seq_id, st, pos, reason);

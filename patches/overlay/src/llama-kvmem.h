@@ -4,8 +4,10 @@
 //
 // llama_kvmem_cache is a llama_kv_cache whose cells are only the GPU working set
 // (budget + gen_reserve cells per sequence). Every completed block of `block` tokens is copied
-// (write-through, same ggml type) into a host pool, so evicting a block from the working set is
-// just a seq_rm on its cells. Cells keep the token's original position: the KQ mask is built
+// (write-through) into a host pool, so evicting a block from the working set is just a seq_rm on
+// its cells. The pool has the KV type asked for (-ctk/-ctv); the working set has it too, or f16
+// when that type is quantized (--kvmem-gpu-type f16, the default): history is stored small and
+// attention reads f16 (stage-in dequantizes, write-through quantizes). Cells keep the token's original position: the KQ mask is built
 // from positions, so a working set with holes is valid attention (no re-RoPE).
 //
 // Residency, per sequence (the invariants; each has a test in tests/test_kvmem_residency.py):
@@ -241,9 +243,14 @@ private:
     uint32_t n_seq_cap     = 1; // sequences the working set was sized for
 
     std::vector<int32_t> il_to_lt; // model layer -> tiered layer index (-1 = not tiered)
-    std::vector<size_t>  row_k;    // bytes per K row, per tiered layer
+    std::vector<size_t>  row_k;    // bytes per K row in the working set, per tiered layer
     std::vector<size_t>  row_v;
-    size_t block_bytes = 0;
+    std::vector<size_t>  hrow_k;   // bytes per K row in the host pool (differ when the pool is quantized and the set is not)
+    std::vector<size_t>  hrow_v;
+    ggml_type pool_type_k = GGML_TYPE_F16;
+    ggml_type pool_type_v = GGML_TYPE_F16;
+    size_t block_bytes = 0;        // one host slot
+    size_t ws_block_bytes = 0;     // one block in the working set
 
     ggml_backend_buffer_t host_buf = nullptr;
     uint8_t * host_base = nullptr;
@@ -290,6 +297,13 @@ private:
     void download(uint32_t lt, ggml_tensor * t, void * dst, size_t offset, size_t size);
     void copies_wait();
     void copy_block(uint8_t * host, const std::vector<uint32_t> & idx, bool to_device); // a host slot <-> cells idx
+    // type conversion between the pool and the working set: rows of the working set's type kept until the
+    // copies that read or fill them are done
+    std::deque<std::vector<uint8_t>> conv_bufs;
+    size_t conv_pending = 0;
+    std::vector<float> conv_f32;
+    bool converts(bool is_v) const;
+    void convert_rows(ggml_type from, const void * src, ggml_type to, void * dst, size_t n_rows, int64_t n_per_row);
     uint8_t * slot_ptr(uint32_t slot) const { return host_base + (size_t) slot*block_bytes; }
     bool stage_in(llama_seq_id seq_id, int32_t b, hblock & hb);
     bool stage_in_at(llama_seq_id seq_id, int32_t b, hblock & hb, const std::vector<uint32_t> & idx); // into these cells
