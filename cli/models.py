@@ -21,7 +21,7 @@ from rich.table import Table
 from kvmem_llama import models
 from kvmem_llama.cli.console import console, err_console, human_bytes
 from kvmem_llama.errors import KvmemError
-from kvmem_llama.models import hf_cache, store
+from kvmem_llama.models import store
 from kvmem_llama.models.download import Progress
 
 
@@ -100,10 +100,7 @@ def pull_cmd(names: tuple[str, ...], connections: int, insecure: bool, retries: 
 def list_cmd(as_json: bool, show_hf: bool) -> None:
     """List the models in the store (and, with --hf-cache, GGUFs in the HF cache)."""
     recs = store.records()
-    extra = []
-    if show_hf:
-        known = {Path(r.path).resolve() for r in recs}
-        extra = [c for c in hf_cache.scan_ggufs() if c.path.resolve() not in known]
+    extra = models.unregistered_hf_ggufs() if show_hf else []
     if as_json:
         out = {"store": str(store.store_dir()), "models": [r.to_json() for r in recs],
                "hf_cache": [{"repo": c.repo, "file": c.filename, "path": str(c.path), "size": c.size,

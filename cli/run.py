@@ -195,9 +195,7 @@ def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ct
     finally:
         signal.signal(signal.SIGTERM, previous)
     handle.stop()
-    tail = "\n".join(handle.tail(15))
-    raise KvmemError(f"llama-server exited with code {code}\n--- last lines of {handle.log_path} ---\n{tail}",
-                     hint=f"full log: {handle.log_path}")
+    raise handle.failed(f"llama-server exited with code {code}")
 
 
 @click.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,

@@ -31,6 +31,7 @@ from kvmem_llama.engine import (
 from kvmem_llama.errors import BuildError
 from kvmem_llama.files import atomic_directory
 from kvmem_llama.patching import Series, apply_series, load_series
+from kvmem_llama.serving.process import stop_process
 from kvmem_llama.vendor import Pin, load_pin
 from kvmem_llama.vendor.fetch import upstream_tree
 
@@ -308,11 +309,7 @@ def _run_logged(cmd: list[str], log, env: dict[str, str],
                 on_line(line)
         return proc.wait()
     except BaseException:  # Ctrl-C: stop the compiler, keep the build dir for next time
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, timeout=10)
         raise
 
 

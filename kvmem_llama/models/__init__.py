@@ -91,6 +91,12 @@ def expected_sha256(model: ResolvedModel) -> tuple[str | None, str]:
     return None, ""
 
 
+def unregistered_hf_ggufs() -> list[hf_cache.CachedFile]:
+    """GGUFs in the Hugging Face cache that the model store has no record of."""
+    known = {Path(r.path).resolve() for r in store.records()}
+    return [c for c in hf_cache.scan_ggufs() if c.path.resolve() not in known]
+
+
 def search(text: str = "") -> list[CatalogEntry]:
     return _catalog.search(text)
 

@@ -86,10 +86,15 @@ def validate_repo_file(repo: str, filename: str) -> None:
                          hint="a file name inside the repository, like Model-Q4_K_M.gguf or Q4_K_M/Model.gguf")
 
 
-def _entry(alias: str, raw: dict[str, Any], origin: str) -> CatalogEntry:
+def check_alias(alias: str, where: str = "") -> str:
+    """An alias as the catalog and the store spell them, or a KvmemError saying what is allowed."""
     if not ALIAS_RE.match(alias):
-        raise KvmemError(f"catalog {origin}: invalid alias {alias!r}",
-                         hint="aliases are lower-case letters, digits and . _ : + -")
+        raise KvmemError(f"{where}invalid alias {alias!r}", hint="aliases are lower-case letters, digits and . _ : + -")
+    return alias
+
+
+def _entry(alias: str, raw: dict[str, Any], origin: str) -> CatalogEntry:
+    check_alias(alias, f"catalog {origin}: ")
     known = {"description", "repo", "file", "quant", "revision", "size", "sha256", "arch", "native_ctx", "mtp",
              "shipped", "profiles"}
     quant = raw.get("quant") or ()

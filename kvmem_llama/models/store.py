@@ -23,7 +23,7 @@ from typing import Any
 from kvmem_llama import paths
 from kvmem_llama.errors import KvmemError, VerificationError
 from kvmem_llama.files import atomic_write_text, sha256_file
-from kvmem_llama.models.catalog import ALIAS_RE, SHA256_RE
+from kvmem_llama.models.catalog import SHA256_RE, check_alias
 from kvmem_llama.models.download import Progress
 
 
@@ -235,8 +235,7 @@ def import_file(src: Path, aliases: list[str] | tuple[str, ...] = (), progress: 
     """Bring a local GGUF into the store: hard link when possible, else copy; hash recorded."""
     src = Path(src).expanduser()
     for alias in aliases:
-        if not ALIAS_RE.match(alias.lower()):
-            raise KvmemError(f"invalid alias {alias!r}", hint="lower-case letters, digits and . _ : + -")
+        check_alias(alias.lower())
     if not src.is_file():
         raise KvmemError(f"no such file: {src}")
     from kvmem_llama.models.gguf_header import check_gguf
