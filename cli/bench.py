@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kvmem_llama.bench import append_results, load_results, markdown_table, plot, ratios, run_one
+from kvmem_llama.bench import append_results, cells, load_results, markdown_table, plot, ratios, run_one
 from kvmem_llama.cli.console import console
 from kvmem_llama.engine import lookup_engine
 
@@ -18,15 +18,20 @@ from kvmem_llama.engine import lookup_engine
 @click.option("-m", "--model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--config", "config", help="Label of this configuration (e.g. upstream, tiering-off, tiering-on).")
 @click.option("--contexts", default="4096,32768", show_default=True, help="Comma list of logical contexts.")
-@click.option("--gen", "gen_tokens", default=64, show_default=True, help="Tokens generated per turn.")
+@click.option("--gen", "gen_tokens", default=1024, show_default=True,
+              help="Tokens generated in turn 2 (decode tok/s over all of them, re-selections included).")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100),
+              help="Runs per (config, context), each with a fresh server; the report gives min and median.")
 @click.option("--server-args", default="", help="Extra llama-server flags for this configuration (one string).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
               show_default=True)
 @click.pass_context
 def bench(ctx: click.Context, engine: str | None, model: Path | None, config: str | None, contexts: str,
-          gen_tokens: int, server_args: str, out_dir: Path) -> None:
+          gen_tokens: int, repeats: int, server_args: str, out_dir: Path) -> None:
     """Measure prefill/decode speed, VRAM, host RSS and selection time at long contexts.
 
+    Turn 1 fills the context (prefill tok/s); turn 2 adds 512 tokens and generates --gen tokens at that
+    depth (decode tok/s, with every re-selection of a tiered engine inside it, and each one's ms).
     Run once per configuration (same --out), then `kvmem bench report --out DIR`.
     """
     if ctx.invoked_subcommand is not None:
@@ -36,24 +41,29 @@ def bench(ctx: click.Context, engine: str | None, model: Path | None, config: st
     server = lookup_engine(engine).server
     results = []
     for context in [int(c) for c in contexts.split(",") if c.strip()]:
-        console.print(f"[dim]•[/] {config} @ {context:,} tokens …")
-        result = run_one(server, model, config, context, shlex.split(server_args), out_dir / "logs", gen_tokens)
-        results.append(result)
-        append_results(out_dir / "results.jsonl", [result])
-        status = f"[red]{result.error[:200]}[/]" if result.error else (
-            f"prefill {result.prefill_tps:.0f} tok/s, decode {result.decode_tps:.1f} tok/s, "
-            f"KV {result.kv_buffer_mib:.0f} MiB, peak VRAM {result.peak_vram_mib or 0:.0f} MiB")
-        console.print(f"  {config} @ {context:,}: {status}")
+        for repeat in range(repeats):
+            console.print(f"[dim]•[/] {config} @ {context:,} tokens, run {repeat + 1}/{repeats} …")
+            result = run_one(server, model, config, context, shlex.split(server_args), out_dir / "logs", gen_tokens,
+                             repeat=repeat)
+            results.append(result)
+            append_results(out_dir / "results.jsonl", [result])
+            refresh = f", {len(result.refresh_ms)} re-selections" if result.refresh_ms else ""
+            status = f"[red]{result.error[:200]}[/]" if result.error else (
+                f"prefill {result.prefill_tps:.0f} tok/s, decode {result.decode_tps:.1f} tok/s over "
+                f"{result.decode_tokens} tokens{refresh}, KV {result.kv_buffer_mib:.0f} MiB, "
+                f"peak VRAM {result.peak_vram_mib or 0:.0f} MiB")
+            console.print(f"  {config} @ {context:,}: {status}")
 
 
 @bench.command()
 @click.option("--out", "out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
 @click.option("--baseline", default="upstream", show_default=True, help="Configuration the ratios divide by.")
 def report(out_dir: Path, baseline: str) -> None:
-    """Write results.md, ratios.json and decode_vs_context.png from results.jsonl."""
+    """Write results.md, cells.json (min/median per cell), ratios.json and decode_vs_context.png."""
     rows = load_results(out_dir / "results.jsonl")
     table = markdown_table(rows)
     (out_dir / "results.md").write_text(table, encoding="utf-8")
+    (out_dir / "cells.json").write_text(json.dumps(cells(rows), indent=2), encoding="utf-8")
     rel = ratios(rows, baseline)
     (out_dir / "ratios.json").write_text(json.dumps(rel, indent=2), encoding="utf-8")
     plot(rows, out_dir / "decode_vs_context.png")

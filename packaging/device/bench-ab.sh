@@ -28,7 +28,7 @@ for context in ${CONTEXTS//,/ }; do
       tiering-on)  engine=cuda-sm90; args="$GPU --kvmem-budget 32768" ;;
       *) echo "unknown config $config"; exit 2 ;;
     esac
-    kvmem bench --engine "$engine" --model "$MODEL" --config "$config" --contexts "$context" --gen 64 \
+    kvmem bench --engine "$engine" --model "$MODEL" --config "$config" --contexts "$context" --gen "${GEN:-1024}" --repeats "${REPEATS:-3}" \
       --server-args "$args" --out /tmp/bench
     cp /tmp/bench/results.jsonl "$OUT/"
   done

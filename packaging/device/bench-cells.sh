@@ -3,8 +3,10 @@
 # CONTEXT:CONFIG, in order, copying the results after each cell so that a call cut short keeps
 # every finished row.
 #   bench-cells.sh 4096:upstream 4096:tiering-off 4096:tiering-on 32768:tiering-on-mtp ...
-# configs: upstream, tiering-off, tiering-on (--kvmem-budget 32768), upstream-mtp and
-# tiering-on-mtp (the same with --spec-type draft-mtp on the model with the MTP head).
+# configs: upstream, tiering-off, tiering-on (--kvmem-budget 32768), tiering-on-q5 (-ctk/-ctv q5_0:
+# a q5_0 host pool under an f16 working set), tiering-on-q5-same (q5_0 on the GPU too), upstream-q5,
+# upstream-mtp and tiering-on-mtp (--spec-type draft-mtp on the model with the MTP head).
+# REPEATS (default 3) runs per cell, GEN (default 1024) tokens generated at depth.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=/tmp/kv:/tmp/site PATH=/tmp/kv/bin:/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
@@ -25,12 +27,15 @@ for cell in "$@"; do
     upstream)       engine=upstream-cuda-sm90; args="$GPU" ;;
     tiering-off)    engine=cuda-sm90; args="$GPU" ;;
     tiering-on)     engine=cuda-sm90; args="$GPU --kvmem-budget 32768" ;;
+    tiering-on-q5)  engine=cuda-sm90; args="$GPU --kvmem-budget 32768 -ctk q5_0 -ctv q5_0" ;;
+    tiering-on-q5-same) engine=cuda-sm90; args="$GPU --kvmem-budget 32768 -ctk q5_0 -ctv q5_0 --kvmem-gpu-type same" ;;
+    upstream-q5)    engine=upstream-cuda-sm90; args="$GPU -ctk q5_0 -ctv q5_0" ;;
     upstream-mtp)   engine=upstream-cuda-sm90; args="$GPU --spec-type draft-mtp"; model=$MODEL_MTP ;;
     tiering-on-mtp) engine=cuda-sm90; args="$GPU --kvmem-budget 32768 --spec-type draft-mtp"; model=$MODEL_MTP ;;
     *) echo "unknown config $config"; exit 2 ;;
   esac
   start=$(date +%s)
-  kvmem bench --engine "$engine" --model "$model" --config "$config" --contexts "$context" --gen 64 \
+  kvmem bench --engine "$engine" --model "$model" --config "$config" --contexts "$context" --gen "${GEN:-1024}" --repeats "${REPEATS:-3}" \
     --server-args "$args" --out /tmp/bench | tail -2
   echo "cell $cell: $(( $(date +%s) - start )) s" | tee -a "$OUT/bench-notes.txt"
   cp /tmp/bench/results.jsonl "$OUT/"
