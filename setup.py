@@ -2,6 +2,8 @@
 
 from setuptools import find_packages, setup
 
+PLOTS = ["matplotlib>=3.7"]
+
 setup(
     name="kvmem-llama",
     version="0.1.0",
@@ -42,10 +44,12 @@ setup(
         "numpy>=1.24",
         "huggingface_hub>=0.23",
         "nvidia-ml-py>=12",
-        "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=7", "openai>=1.30", "ruff>=0.5"],
+        # the PNGs of `kvmem bench report` / `kvmem eval report` (skipped with a hint without it)
+        "plots": PLOTS,
+        # pexpect drives `kvmem chat` through a pseudo-terminal; the report tests draw the PNGs too
+        "test": ["pytest>=7", "openai>=1.30", "ruff>=0.5", "pexpect>=4.8", *PLOTS],
     },
     entry_points={"console_scripts": ["kvmem=kvmem_llama.cli.main:main"]},
 )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from kvmem_llama import plots
 from kvmem_llama.bench import append_results, cells, load_results, markdown_table, plot, ratios, run_one
 from kvmem_llama.cli.console import console
 from kvmem_llama.engine import lookup_engine
@@ -66,8 +67,11 @@ def report(out_dir: Path, baseline: str) -> None:
     (out_dir / "cells.json").write_text(json.dumps(cells(rows), indent=2), encoding="utf-8")
     rel = ratios(rows, baseline)
     (out_dir / "ratios.json").write_text(json.dumps(rel, indent=2), encoding="utf-8")
-    plot(rows, out_dir / "decode_vs_context.png")
     console.print(table)
+    if plots.available():
+        plot(rows, out_dir / "decode_vs_context.png")
+    else:
+        console.print(plots.skipped("decode_vs_context.png"), style="yellow", markup=False, soft_wrap=True)
     for r in rel:
         console.print(f"{r['config']} @ {r['context']:,}: decode ×{r['decode_vs_baseline']}, "
                       f"prefill ×{r['prefill_vs_baseline']}, KV ×{r['kv_buffer_vs_baseline']}")

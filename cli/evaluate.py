@@ -12,6 +12,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvmem_llama import plots
 from kvmem_llama.cli.console import console
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.evaluation import corpus
@@ -81,6 +82,9 @@ def _show_report(out: Path, order: list[str] | None = None) -> None:
     console.print(_summary_table(summary))
     for f in files:
         console.print(f"[dim]wrote[/] {f}")
+    if not plots.available():
+        console.print(plots.skipped("accuracy_vs_length.png and depth_heatmap.png"), style="yellow", markup=False,
+                      soft_wrap=True)
 
 
 @click.group("eval", invoke_without_command=True, context_settings={"max_content_width": 110})

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmem_llama import plots
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.evaluation.records import load_records
 from kvmem_llama.evaluation.scoring import mean
@@ -177,13 +178,9 @@ def markdown(summary: Summary) -> str:
 
 
 def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise KvmemError("plots need matplotlib", hint="pip install matplotlib") from None
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
+    if plt is None:
+        raise KvmemError("plots need matplotlib", hint=plots.PLOTS_EXTRA)
     return plt
 
 
@@ -264,7 +261,7 @@ def record_run(out_dir: Path, entry: dict) -> None:
 
 
 def render(out_dir: Path, order: list[str] | None = None) -> tuple[Summary, list[Path]]:
-    """Re-read OUT/results.jsonl and (re)write summary.md, summary.json and both PNGs.
+    """Re-read OUT/results.jsonl and (re)write summary.md, summary.json and both PNGs (with matplotlib).
 
     `order` lists configurations first; by default the order runs.json recorded for the commands.
     """
@@ -274,5 +271,7 @@ def render(out_dir: Path, order: list[str] | None = None) -> tuple[Summary, list
     md.write_text(markdown(summary), encoding="utf-8")
     js = out_dir / SUMMARY_JSON
     js.write_text(json.dumps(to_json(summary), indent=2) + "\n", encoding="utf-8")
-    files = [md, js, plot_accuracy(summary, out_dir / ACCURACY_PNG), plot_heatmap(summary, out_dir / HEATMAP_PNG)]
+    files = [md, js]
+    if plots.available():  # without the plots extra: the tables only (the CLI says the PNGs were skipped)
+        files += [plot_accuracy(summary, out_dir / ACCURACY_PNG), plot_heatmap(summary, out_dir / HEATMAP_PNG)]
     return summary, files
