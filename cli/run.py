@@ -78,6 +78,8 @@ def plan_cmd(model: str | None, vram: str | None, ram: str | None, ctx: int | No
 
     Reads the GGUF header and the hardware (NVML, psutil) and picks a profile: context,
     --kvmem-budget, gen reserve, KV cache types, host pool size and the MTP draft.
+    A hub model (alias or OWNER/REPO:FILE.gguf) that is not downloaded yet is planned
+    from its header alone, read with HTTP Range requests and cached.
     """
     hw = hardware.detect(vram, ram, gpu_index)
     result = planner.plan_model(model, hw, ctx=ctx, ctk=ctk, ctv=ctv, draft_mtp=draft_mtp, gpu_index=gpu_index)
@@ -92,6 +94,12 @@ def plan_cmd(model: str | None, vram: str | None, ram: str | None, ctx: int | No
     console.print(_plan_table(result))
     console.print(_profile_table(result))
     _print_warnings(result.warnings, result.fixes)
+    if result.not_downloaded:
+        remote = result.not_downloaded
+        how = "cached" if remote["cached"] else f"{human_bytes(remote['fetched_bytes'])} read over HTTP"
+        console.print(f"[yellow]{result.label}: not downloaded yet ({remote['size'] / 1e9:.1f} GB)[/]: planned from "
+                      f"its GGUF header ({how}); `kvmem pull {model}` downloads {remote['repo']}:{remote['file']}",
+                      soft_wrap=True)
 
 
 def _split_model(model: str | None, server_args: tuple[str, ...]) -> tuple[str | None, list[str]]:

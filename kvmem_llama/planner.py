@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.hardware import Hardware
-from kvmem_llama.models import resolve_model
+from kvmem_llama.models import NotDownloaded, remote_header, resolve_model
 from kvmem_llama.models.gguf_info import ModelInfo, model_info
 
 MiB = 1 << 20
@@ -66,6 +66,8 @@ class Plan:
     ram_available: int
     warnings: list[str] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)  # what to lower, in order
+    # a hub model planned from its header alone: repo, file, size, sha256, header_bytes, fetched_bytes, cached
+    not_downloaded: dict | None = None
 
     @property
     def fits(self) -> bool:
@@ -112,8 +114,17 @@ def _gpu_kv_choice(info: ModelInfo, kv_room: int, ctx: int, gen_reserve: int,
 
 
 def plan_model(model: str | None, hw: Hardware, **options) -> Plan:
-    """Resolve a model name or path (None: the default model), read its header and plan it on `hw`."""
-    resolved = resolve_model(model)
+    """Resolve a model name or path (None: the default model), read its header and plan it on `hw`.
+
+    A hub model that is not downloaded is planned from its GGUF header, read over HTTP Range requests;
+    the plan's `not_downloaded` then says what the download would be."""
+    try:
+        resolved = resolve_model(model)
+    except NotDownloaded as missing:
+        remote = remote_header(missing.name)
+        result = plan(model_info(remote.header), hw, label=missing.alias or f"{remote.repo}:{remote.file}", **options)
+        result.not_downloaded = remote.summary()
+        return result
     return plan(model_info(resolved.path), hw, label=resolved.name, **options)
 
 

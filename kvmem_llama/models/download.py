@@ -36,7 +36,7 @@ STATE_EVERY_S = 0.5
 DISK_MARGIN = 64 * 1024 * 1024
 _SPACE_ERRORS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
                  errno.EFBIG: "file too large for this filesystem"}
-_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
 class DownloadInterrupted(KvmemError):
@@ -215,7 +215,7 @@ class SegmentedDownloader:
                                         hint="401/403: set HF_TOKEN; 404/416: the file changed on the hub, "
                                              "remove the partial download with `kvmem rm --partials`"))
             got = resp.headers.get("content-range", "")
-            m = _CONTENT_RANGE.match(got.strip())
+            m = CONTENT_RANGE.match(got.strip())
             total = str(self.job.size)
             if not m or int(m.group(1)) != first or int(m.group(2)) != last or m.group(3) not in (total, "*"):
                 raise _Fatal(KvmemError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,9 +84,13 @@ def _looks_like(head: bytes) -> str:
     return f"bytes {head[:8]!r}"
 
 
+# more(end): grow the buffer in place to at least `end` bytes (a header read over HTTP Range requests)
+More = Callable[[int], None]
+
+
 class _Cursor:
-    def __init__(self, buf: mmap.mmap | bytes, path: Path, size: int):
-        self.buf, self.pos, self.path, self.size = buf, 0, path, size
+    def __init__(self, buf: mmap.mmap | bytes | bytearray, path: Path, size: int, more: More | None = None):
+        self.buf, self.pos, self.path, self.size, self.more = buf, 0, path, size, more
 
     def need(self, n: int) -> None:
         if self.pos + n > self.size:
@@ -93,6 +98,11 @@ class _Cursor:
                 f"{self.path}: truncated GGUF header (needs byte {self.pos + n}, file has {self.size})",
                 hint="the file is incomplete; download it again (kvmem pull) or re-copy it",
             )
+        if self.pos + n > len(self.buf):
+            if self.more is None:
+                raise GGUFFormatError(f"{self.path}: the header bytes end at {len(self.buf)}, "
+                                      f"the header needs byte {self.pos + n}")
+            self.more(self.pos + n)
 
     def unpack(self, fmt: str) -> Any:
         n = struct.calcsize(fmt)
@@ -169,16 +179,19 @@ def read_header(path: str | Path) -> GGUFHeader:
                 hint="the file is empty or truncated; download it again",
             )
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse(buf, path, size)
+            return parse_header(buf, path, size)
 
 
-def _parse(buf: mmap.mmap, path: Path, size: int) -> GGUFHeader:
+def parse_header(buf: mmap.mmap | bytes | bytearray, path: Path, size: int, more: More | None = None) -> GGUFHeader:
+    """Parse the header at the start of `buf` for a file of `size` bytes. `buf` may hold only a prefix
+    (at least 64 bytes, or the whole file): `more(end)` is then asked to extend it as the header's
+    own lengths require, so nothing past the tensor table is ever needed."""
     if buf[:4] != GGUF_MAGIC:
         raise GGUFFormatError(
             f"{path}: not a GGUF file (found {_looks_like(bytes(buf[:64]))})",
             hint="pass a .gguf model file; other formats (safetensors, bin) need converting with llama.cpp",
         )
-    cur = _Cursor(buf, path, size)
+    cur = _Cursor(buf, path, size, more)
     cur.pos = 4
     version = cur.unpack("<I")
     if version not in READABLE_VERSIONS:
