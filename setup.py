@@ -48,8 +48,9 @@ setup(
     extras_require={
         # the PNGs of `kvmem bench report` / `kvmem eval report` (skipped with a hint without it)
         "plots": PLOTS,
-        # pexpect drives `kvmem chat` through a pseudo-terminal; the report tests draw the PNGs too
-        "test": ["pytest>=7", "openai>=1.30", "ruff>=0.5", "pexpect>=4.8", *PLOTS],
+        # pexpect drives `kvmem chat` through a pseudo-terminal, selenium the web UI in Chromium;
+        # the report tests draw the PNGs too
+        "test": ["pytest>=7", "openai>=1.30", "ruff>=0.5", "pexpect>=4.8", "selenium>=4.10", *PLOTS],
     },
     entry_points={"console_scripts": ["kvmem=kvmem_llama.cli.main:main"]},
 )

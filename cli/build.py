@@ -28,16 +28,23 @@ from kvmem_llama.packaging import SUMS_FILE, install_engine_package, package_eng
 @click.option("--fa-quants", default="all", show_default=True,
               help="CUDA flash-attention K/V type pairs: `all` (needed for q5_0 KV) or `default` (upstream's set, "
                    "builds faster).")
-def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool, upstream: bool, fa_quants: str) -> None:
+@click.option("--ui/--no-ui", default=True, show_default=True,
+              help="Embed llama-server's web UI, built from the pinned source with npm (skipped without npm).")
+def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool, upstream: bool, fa_quants: str,
+          ui: bool) -> None:
     """Build an engine (llama-server, llama-cli, llama-bench, rpc-server, libllama).
 
     Fetches the pinned llama.cpp (verified), applies our patch series, builds with
     cmake (ccache when installed) and installs into the engine store. Results are
     cached by pin + patch hash + target + toolchain: a second run is instant.
+    The web UI is built with npm from the pinned tree's tools/ui (cached by its hash)
+    and embedded; nothing is fetched when the server runs.
     """
-    plan = plan_build(sm, jobs, dry_run=dry_run, upstream=upstream, fa_quants=fa_quants)
+    plan = plan_build(sm, jobs, dry_run=dry_run, upstream=upstream, fa_quants=fa_quants, ui=ui)
     if dry_run:
         console.print(f"# engine {plan.key}")
+        console.print("# web UI: " + ("built with npm from tools/ui and embedded" if plan.ui
+                                      else f"skipped: {plan.ui_skipped}"), soft_wrap=True)
         console.print(f"# source: {plan.src}  (pin {plan.pin.requirement} + {len(plan.series.names)} patch(es))")
         console.print(shlex.join(plan.configure_args()), soft_wrap=True)
         console.print(shlex.join(plan.build_args()), soft_wrap=True)
@@ -56,6 +63,14 @@ def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool, upstream
         console.print(f"[green]up to date[/] {engine.key} ({engine.path})")
     else:
         console.print(f"[green]built[/] {engine.key} in {engine.info['build_seconds']:.0f} s → {engine.path}")
+    console.print(_ui_line(engine), soft_wrap=True)
+
+
+def _ui_line(engine: Engine) -> str:
+    ui = engine.info.get("ui") or {}
+    if ui.get("embedded"):
+        return f"web UI: embedded ({ui.get('files')} files): open the server's address in a browser"
+    return f"web UI: not embedded ({ui.get('skipped') or 'built before kvmem embedded it'})"
 
 
 def _engine_row(engine: Engine) -> dict:
@@ -73,6 +88,7 @@ def _engine_row(engine: Engine) -> dict:
         "build_seconds": engine.info.get("build_seconds"),
         "size": engine_size(engine),
         "path": str(engine.path),
+        "ui": bool((engine.info.get("ui") or {}).get("embedded")),
     }
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmem_llama import __version__, paths
+from kvmem_llama import __version__, paths, webui
 from kvmem_llama.engine import (
     INSTALLED_BINARIES,
     Engine,
@@ -145,7 +145,7 @@ def detect_toolchain(target: BuildTarget, require_cuda: bool = True) -> Toolchai
 
 
 def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, build: Path,
-                         fa_quants: str = "all") -> list[str]:
+                         fa_quants: str = "all", ui: bool = False) -> list[str]:
     args = [
         toolchain.cmake, "-S", str(src), "-B", str(build), "-G", toolchain.generator,
         "-DCMAKE_BUILD_TYPE=Release",
@@ -153,7 +153,9 @@ def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, b
         "-DBUILD_SHARED_LIBS=ON",
         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
         "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF",
-        "-DLLAMA_USE_PREBUILT_UI=OFF",  # no downloads at build time; the server runs without its web UI
+        "-DLLAMA_USE_PREBUILT_UI=OFF",  # no downloads at build time
+        # ON: embed the UI that kvmem_llama.webui built with npm and staged in the build dir
+        f"-DLLAMA_BUILD_UI={'ON' if ui else 'OFF'}",
         "-DGGML_RPC=ON",
         # binaries find their libraries next to them or in ../lib, wherever the engine lives
         "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN/../lib;$ORIGIN",
@@ -207,9 +209,11 @@ def patched_tree(pin: Pin, series: Series, log: Callable[[str], None] = print) -
     return src
 
 
-def engine_key(target: BuildTarget, pin: Pin, series: Series, toolchain: Toolchain, fa_quants: str = "all") -> str:
-    """Everything that changes the binaries: target, pin, series, toolchain and our cmake flags."""
-    flags = cmake_configure_args(target, toolchain, Path("src"), Path("build"), fa_quants)
+def engine_key(target: BuildTarget, pin: Pin, series: Series, toolchain: Toolchain, fa_quants: str = "all",
+               ui: bool = False) -> str:
+    """Everything that changes the binaries: target, pin, series, toolchain and our cmake flags (the UI
+    is a function of the tree, so ON/OFF says which UI)."""
+    flags = cmake_configure_args(target, toolchain, Path("src"), Path("build"), fa_quants, ui)
     digest = hashlib.sha256(f"{toolchain.key()}|{flags}".encode()).hexdigest()[:6]
     return f"{target.name}-{tree_key(pin, series)}-{digest}"
 
@@ -248,10 +252,12 @@ class BuildPlan:
     jobs: int
     upstream: bool = False  # the pin without our series, for A/B benchmarks
     fa_quants: str = "all"
+    ui: bool = False  # embed the web UI (built with npm); run_build turns it off if npm fails
+    ui_skipped: str | None = None  # why the UI is not embedded
 
     @property
     def key(self) -> str:
-        key = engine_key(self.target, self.pin, self.series, self.toolchain, self.fa_quants)
+        key = engine_key(self.target, self.pin, self.series, self.toolchain, self.fa_quants, self.ui)
         return f"upstream-{key}" if self.upstream else key
 
     @property
@@ -268,7 +274,7 @@ class BuildPlan:
         return self.tree_root / f"build-{self.target.name}{suffix}"
 
     def configure_args(self) -> list[str]:
-        return cmake_configure_args(self.target, self.toolchain, self.src, self.build_dir, self.fa_quants)
+        return cmake_configure_args(self.target, self.toolchain, self.src, self.build_dir, self.fa_quants, self.ui)
 
     def build_args(self) -> list[str]:
         return cmake_build_args(self.toolchain, self.build_dir, self.jobs)
@@ -277,12 +283,48 @@ class BuildPlan:
         return self.tree_root / f"build-{self.target.name}.log"
 
 
+def _ui_choice(want: bool, pin: Pin, series: Series) -> tuple[bool, str | None]:
+    """(embed the UI?, why not): npm can build it, or this tree's UI is already built and cached."""
+    if not want:
+        return False, "--no-ui"
+    why = webui.npm_missing()
+    if why is None:
+        return True, None
+    ui_dir = tree_root(pin, series) / "src" / webui.UI_SUBDIR
+    if ui_dir.is_dir() and webui.cached_dist(webui.source_hash(ui_dir)):
+        return True, None
+    return False, (f"{why}; install Node.js {webui.MIN_NODE[0]}.{webui.MIN_NODE[1]}+ with npm and run "
+                   "`kvmem build` again to embed it")
+
+
 def plan_build(sm: str | None = None, jobs: int | None = None, dry_run: bool = False,
-               upstream: bool = False, fa_quants: str = "all") -> BuildPlan:
+               upstream: bool = False, fa_quants: str = "all", ui: bool = True) -> BuildPlan:
     target = BuildTarget(parse_sms(sm) if sm else ())
     toolchain = detect_toolchain(target, require_cuda=not dry_run)
     series = upstream_series() if upstream else load_series()
-    return BuildPlan(target, load_pin(), series, toolchain, jobs or os.cpu_count() or 2, upstream, fa_quants)
+    pin = load_pin()
+    with_ui, skipped = _ui_choice(ui, pin, series)
+    return BuildPlan(target, pin, series, toolchain, jobs or os.cpu_count() or 2, upstream, fa_quants,
+                     with_ui, skipped)
+
+
+def _installed(plan: BuildPlan) -> Engine | None:
+    existing = load_engine(paths.engines_dir() / plan.key)
+    if existing and all(existing.binary(b).exists() for b in INSTALLED_BINARIES):
+        return existing
+    return None
+
+
+def _provide_ui(plan: BuildPlan, log: Callable[[str], None]) -> str | None:
+    """Build or reuse the web UI and stage it for CMake; if it cannot be had, turn the plan's UI off.
+    Returns the UI's source hash."""
+    ui = webui.provide_ui(plan.src, log) if plan.ui else webui.WebUI(None, None, plan.ui_skipped)
+    if plan.ui and not ui.available:
+        plan.ui, plan.ui_skipped = False, ui.reason
+    if not plan.ui:
+        log(f"web UI skipped: {plan.ui_skipped}")
+    webui.stage_for_cmake(ui, plan.build_dir)
+    return ui.source_hash
 
 
 def _ccache_env(plan: BuildPlan) -> dict[str, str]:
@@ -322,12 +364,14 @@ def _error_lines(log_file: Path, limit: int = 15) -> str:
 def run_build(plan: BuildPlan, log: Callable[[str], None] = print,
               progress: Callable[[int, int, str], None] | None = None, force: bool = False) -> tuple[Engine, bool]:
     """Build and install an engine; returns (engine, was_cached)."""
-    existing = load_engine(paths.engines_dir() / plan.key)
-    if existing and not force and all(existing.binary(b).exists() for b in INSTALLED_BINARIES):
+    if not force and (existing := _installed(plan)):
         return existing, True
     started = time.monotonic()
     patched_tree(plan.pin, plan.series, log)
     plan.build_dir.mkdir(parents=True, exist_ok=True)
+    ui_source = _provide_ui(plan, log)
+    if not force and (existing := _installed(plan)):  # npm failed: the engine without the UI may exist
+        return existing, True
     env = _ccache_env(plan)
     log_path = plan.log_file()
     configure = plan.configure_args()
@@ -349,6 +393,10 @@ def run_build(plan: BuildPlan, log: Callable[[str], None] = print,
         log(f"building {', '.join(BUILD_TARGETS)} with {plan.jobs} job(s); log: {log_path}")
         if _run_logged(plan.build_args(), logfh, env, on_line) != 0:
             raise BuildError(f"build failed; full log: {log_path}\n{_error_lines(log_path)}")
+    assets = webui.embedded_assets(plan.build_dir) or 0
+    if plan.ui and not assets:
+        raise BuildError(f"the web UI was built but the server embeds no UI files; full log: {log_path}",
+                         hint="`kvmem build --no-ui` builds without it")
     info = {
         "kvmem_version": __version__,
         "key": plan.key,
@@ -366,6 +414,8 @@ def run_build(plan: BuildPlan, log: Callable[[str], None] = print,
         "generator": plan.toolchain.generator,
         "ccache": bool(plan.toolchain.ccache),
         "cmake_configure": configure,
+        "ui": {"embedded": bool(assets), "files": assets, "source_hash": ui_source,
+               "skipped": None if assets else plan.ui_skipped},
         "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "build_seconds": round(time.monotonic() - started, 1),
     }
