@@ -25,6 +25,7 @@ GiB = 1 << 30
 # (measured: 27B at 32K, f16 97 tok/s vs q5_0 68), so it is used only when f16 would shrink
 # the working set past the 6x rule.
 AUTO_CACHE_TYPES = ("f16", "q8_0", "q5_0")
+UNQUANTIZED = ("f32", "f16", "bf16")
 CTX_PER_BUDGET = 6  # the anchor's rule of thumb: quality falls when context > 6x the GPU budget
 BLOCK_TOKENS = 128
 UBATCH = 512
@@ -53,6 +54,9 @@ class Profile:
     host_mib: int
     draft_mtp: bool
     n_gpu_layers: int | None  # None = all (GPU) / not applicable (CPU)
+    # with tiering, the GPU working set's KV type over a quantized pool (ctk/ctv): "f16" (the engine's
+    # default) or "same" (the pool's type, for a budget the f16 working set cannot reach)
+    gpu_type: str = "f16"
 
 
 @dataclass
@@ -91,26 +95,38 @@ def _floor_to(value: int, step: int) -> int:
     return max(0, value // step * step)
 
 
-def _cache_pair(ctk: str | None, ctv: str | None) -> list[tuple[str, str]]:
+def working_type(cache_type: str, gpu_type: str) -> str:
+    """The working set's KV type under tiering (--kvmem-gpu-type): f16 over a quantized pool, or the same."""
+    return "f16" if gpu_type == "f16" and cache_type not in UNQUANTIZED else cache_type
+
+
+def _cache_choices(ctk: str | None, ctv: str | None, gpu_type: str | None) -> list[tuple[str, str, str]]:
+    """(pool K type, pool V type, working-set type rule) to try, in order. Given types are used as they are
+    (their working set f16 unless gpu_type says same); the automatic ones grow the budget by quantizing the
+    working set too, since an f16 working set over a smaller pool would hold no more tokens."""
     if ctk or ctv:
-        return [(ctk or ctv or "f16", ctv or ctk or "f16")]
-    return [(t, t) for t in AUTO_CACHE_TYPES]
+        return [(ctk or ctv or "f16", ctv or ctk or "f16", gpu_type or "f16")]
+    return [(t, t, gpu_type or ("f16" if t in UNQUANTIZED else "same")) for t in AUTO_CACHE_TYPES]
+
+
+def _working_bytes(info: ModelInfo, choice: tuple[str, str, str]) -> int:
+    ctk, ctv, gpu_type = choice
+    return info.kv_bytes(working_type(ctk, gpu_type), working_type(ctv, gpu_type))
 
 
 def _gpu_kv_choice(info: ModelInfo, kv_room: int, ctx: int, gen_reserve: int,
-                   pairs: list[tuple[str, str]]) -> tuple[str, str, int, bool]:
-    """(ctk, ctv, budget, acceptable) for the first cache type that holds ctx or keeps ctx <= 6x budget."""
-    choice = None
-    for ctk, ctv in pairs:
-        per_token = info.kv_bytes(ctk, ctv)
-        if per_token * ctx <= kv_room:
-            return ctk, ctv, 0, True  # the whole context fits: no tiering needed
-        budget = _floor_to(kv_room // per_token - gen_reserve, BLOCK_TOKENS)
-        choice = (ctk, ctv, budget, budget > 0 and ctx <= CTX_PER_BUDGET * budget)
-        if choice[3]:
-            return choice
-    assert choice is not None
-    return choice
+                   choices: list[tuple[str, str, str]]) -> tuple[tuple[str, str, str], int, bool]:
+    """(cache choice, budget, acceptable) for the first choice that holds ctx or keeps ctx <= 6x budget."""
+    best = None
+    for choice in choices:
+        if info.kv_bytes(choice[0], choice[1]) * ctx <= kv_room:
+            return choice, 0, True  # the whole context fits: no tiering needed
+        budget = _floor_to(kv_room // _working_bytes(info, choice) - gen_reserve, BLOCK_TOKENS)
+        best = (choice, budget, budget > 0 and ctx <= CTX_PER_BUDGET * budget)
+        if best[2]:
+            return best
+    assert best is not None
+    return best
 
 
 def plan_model(model: str | None, hw: Hardware, **options) -> Plan:
@@ -130,8 +146,11 @@ def plan_model(model: str | None, hw: Hardware, **options) -> Plan:
 
 def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | None = None,
          ctv: str | None = None, draft_mtp: bool | None = None, gen_reserve: int | None = None,
-         gpu_index: int = 0, label: str | None = None) -> Plan:
-    """The profile for running the model on `hw` at `ctx` tokens (default: the trained context)."""
+         gpu_index: int = 0, label: str | None = None, gpu_type: str | None = None) -> Plan:
+    """The profile for running the model on `hw` at `ctx` tokens (default: the trained context).
+
+    With tiering the KV lives in two tiers: the GPU working set (budget + reserve tokens, f16 over a
+    quantized -ctk/-ctv unless gpu_type is "same") and the host pool (the whole context, -ctk/-ctv)."""
     if info.n_layers <= 0:
         raise KvmemError(f"{info.path} has no {info.arch}.block_count: no layers to plan",
                          hint="is this a model file (and not e.g. a vocabulary-only GGUF)?")
@@ -145,7 +164,7 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
     vram = gpu.vram_free
     reserve = DEFAULT_GEN_RESERVE if gen_reserve is None else gen_reserve
     reserve = min(reserve, max(BLOCK_TOKENS, ctx // 8))
-    pairs = _cache_pair(ctk, ctv)
+    choices = _cache_choices(ctk, ctv, gpu_type)
     trunk = info.trunk_weights_bytes
     warnings = _weights_warnings(info)
     fixes: list[str] = []
@@ -154,21 +173,21 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
         mtp_weights = info.mtp_weights_bytes if with_mtp else 0
         room = vram - trunk - compute - GPU_OVERHEAD - mtp_weights
         if with_mtp:  # the draft's KV follows the target's working set; reserve it for ctx/6 cells
-            room -= info.mtp_kv_bytes(*pairs[-1]) * min(ctx, ctx // CTX_PER_BUDGET + reserve)
+            room -= info.mtp_kv_bytes(*choices[-1][:2]) * min(ctx, ctx // CTX_PER_BUDGET + reserve)
         if room <= 0:
             return room, None
-        return room, _gpu_kv_choice(info, room, ctx, reserve, pairs)
+        return room, _gpu_kv_choice(info, room, ctx, reserve, choices)
 
     use_mtp = bool(info.mtp_layers) and draft_mtp is not False
     room, choice = attempt(use_mtp)
-    if use_mtp and (choice is None or not choice[3]) and draft_mtp is None:
+    if use_mtp and (choice is None or not choice[2]) and draft_mtp is None:
         use_mtp = False  # MTP speeds decode up, but not at the price of the working set
         room, choice = attempt(False)
     if draft_mtp and not info.mtp_layers:
         warnings.append(f"{label} has no MTP head: --spec-type draft-mtp is off")
 
     ngl: int | None = None
-    if choice is None or choice[2] == 0 and not choice[3]:
+    if choice is None or choice[1] == 0 and not choice[2]:
         # the weights themselves do not fit: offload only some layers, KV stays with them
         fixes = [
             "turn off the MTP draft (--no-draft-mtp)" if use_mtp else None,
@@ -177,39 +196,44 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
             "close other programs that hold VRAM" if gpu.detected else None,
         ]
         fixes = [f for f in fixes if f]
-        usable = vram - compute - GPU_OVERHEAD - MIN_GPU_KV_TOKENS * info.kv_bytes(*pairs[-1])
+        usable = vram - compute - GPU_OVERHEAD - MIN_GPU_KV_TOKENS * info.kv_bytes(*choices[-1][:2])
         ngl = max(0, min(info.n_layers, int(info.n_layers * usable / trunk))) if trunk else info.n_layers
         warnings.append(f"weights ({trunk / GiB:.1f} GiB) + compute + KV do not fit in {vram / GiB:.1f} GiB of VRAM; "
                         f"planning {ngl}/{info.n_layers} layers on the GPU")
-        c_k, c_v = pairs[0]
+        c_k, c_v, g_type = choices[0]
         budget, kv_gpu = 0, ctx * info.kv_bytes(c_k, c_v)
     else:
-        c_k, c_v, budget, ok = choice
-        kv_gpu = info.kv_bytes(c_k, c_v) * ((budget + reserve) if budget else ctx)
+        (c_k, c_v, g_type), budget, ok = choice
+        kv_gpu = _working_bytes(info, (c_k, c_v, g_type)) * (budget + reserve) if budget else \
+            info.kv_bytes(c_k, c_v) * ctx
         if budget and not ok:
             smaller = " or use a smaller KV type (--ctk q5_0)" if c_k in ("f32", "f16", "bf16", "q8_0") else ""
             warnings.append(f"context {ctx} is more than {CTX_PER_BUDGET}x the GPU budget {budget}: "
                             f"retrieval quality falls past that; lower --ctx{smaller}")
     per_token = info.kv_bytes(c_k, c_v)
+    w_k, w_v = (working_type(c_k, g_type), working_type(c_v, g_type)) if budget else (c_k, c_v)
+    ws_per_token = info.kv_bytes(w_k, w_v)
     full_kv = per_token * ctx
     host_mib = math.ceil(full_kv / MiB) if budget else 0
     if budget and host_mib * MiB > hw.ram_available * RAM_HEADROOM:
         warnings.append(f"host RAM is short: the KV pool for {ctx} tokens needs {host_mib} MiB, "
                         f"{hw.ram_available // MiB} MiB are available; lower --ctx or use --ctk q8_0/q5_0")
-    mtp_cost = (info.mtp_weights_bytes + info.mtp_kv_bytes(c_k, c_v) * ((budget + reserve) or ctx)
+    mtp_cost = (info.mtp_weights_bytes + info.mtp_kv_bytes(w_k, w_v) * ((budget + reserve) or ctx)
                 if use_mtp else 0)
-    profile = Profile("gpu", ctx, budget, reserve if budget else 0, BLOCK_TOKENS, c_k, c_v, host_mib, use_mtp, ngl)
+    profile = Profile("gpu", ctx, budget, reserve if budget else 0, BLOCK_TOKENS, c_k, c_v, host_mib, use_mtp, ngl,
+                      g_type)
     used = trunk + compute + GPU_OVERHEAD + kv_gpu + mtp_cost
     ledger = [
         ("VRAM", vram, f"{gpu.name}" + ("" if gpu.detected else " (given)")),
         ("weights on GPU", trunk if ngl is None else trunk * ngl // max(1, info.n_layers), label),
         ("compute buffers", compute, f"ubatch {UBATCH}: logits + activations"),
         ("runtime overhead", GPU_OVERHEAD, "CUDA context, workspace"),
-        ("KV working set", kv_gpu, f"{(budget + reserve) if budget else ctx} tokens x {per_token} B ({c_k}/{c_v})"),
+        ("KV working set", kv_gpu, f"{(budget + reserve) if budget else ctx} tokens x {ws_per_token} B ({w_k}/{w_v})"),
         ("MTP draft", mtp_cost, "head weights + its KV" if use_mtp else "off"),
         ("VRAM left", vram - used, ""),
         ("full KV at ctx", full_kv, f"{ctx} tokens"),
-        ("host KV pool", host_mib * MiB if budget else 0, "tiering on" if budget else "tiering off"),
+        ("host KV pool", host_mib * MiB if budget else 0,
+         f"{ctx} tokens x {per_token} B ({c_k}/{c_v})" if budget else "tiering off"),
     ]
     return Plan(info, label, profile, ledger, info.kv_bytes_per_token, vram, hw.ram_available, warnings, fixes)
 

@@ -14,6 +14,7 @@ from kvmem_llama.errors import KvmemError
 from kvmem_llama.models.gguf_header import GGUFHeader, TensorInfo
 from kvmem_llama.models.gguf_info import ModelInfo, cache_type_bytes, model_info
 from kvmem_llama.planner import GiB, MiB
+from kvmem_llama.serving import argv
 from kvmem_llama.shipped import shipped_model_path
 
 # Qwen3.8-27B as llama.cpp's qwen35 arch sees it: 64 trunk layers (every 4th is full attention),
@@ -190,3 +191,30 @@ def test_plan_cli_json() -> None:
     assert data["profile"]["ctx"] == 16384 and data["profile"]["device"] == "gpu"
     assert data["kv_per_token"]["f16"] == 12288
     assert data["hardware"]["gpus"][0]["vram_total"] == 16 * GiB
+
+
+def test_qwen27b_two_tiers_with_a_quantized_pool(qwen27b: ModelInfo) -> None:
+    """-ctk/-ctv q5_0 sets the host pool's type: the whole 256K history in 5.5 GiB instead of 16. The working
+    set stays f16 by default (the same budget as an f16 plan), or is q5_0 too with gpu_type same (a budget
+    65536/22528 times larger); the ledger shows both tiers with their types."""
+    f16 = planner.plan(qwen27b, hw("16G"))
+    q5 = planner.plan(qwen27b, hw("16G"), ctk="q5_0")
+    ledger = {item: (size, note) for item, size, note in q5.ledger}
+    assert (q5.profile.ctk, q5.profile.gpu_type, q5.profile.budget) == ("q5_0", "f16", f16.profile.budget)
+    assert q5.profile.host_mib == 22528 * 262144 // 2**20 == 5632
+    assert ledger["KV working set"] == (65536 * (43776 + 4096), "47872 tokens x 65536 B (f16/f16)")
+    assert ledger["host KV pool"] == (5632 * 2**20, "262144 tokens x 22528 B (q5_0/q5_0)")
+    same = planner.plan(qwen27b, hw("16G"), ctk="q5_0", gpu_type="same")
+    assert same.profile.gpu_type == "same" and same.profile.budget > 2.5 * q5.profile.budget
+    assert dict((i, n) for i, _, n in same.ledger)["KV working set"].endswith("x 22528 B (q5_0/q5_0)")
+    help_text = "--kvmem-budget --kvmem-host-mib --kvmem-gpu-type"
+    assert "--kvmem-gpu-type" not in argv.profile_args(q5.profile, help_text, True, True)
+    flags = argv.profile_args(same.profile, help_text, True, True)
+    assert flags[flags.index("--kvmem-gpu-type") + 1] == "same"
+
+
+def test_automatic_kv_type_quantizes_the_working_set_for_budget(qwen27b: ModelInfo) -> None:
+    """When only a bigger budget keeps 1M tokens near the 6x rule, the automatic choice quantizes the working
+    set too (an f16 working set over a q5_0 pool would hold no more tokens than an f16 plan)."""
+    plan = planner.plan(qwen27b, hw("16G"), ctx=1 << 20)
+    assert (plan.profile.ctk, plan.profile.gpu_type) == ("q5_0", "same")
