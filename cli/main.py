@@ -7,11 +7,11 @@ import sys
 import click
 
 from kvmem_llama import __version__
-from kvmem_llama.cli import bench, build, evaluate, generate, models, run, synth, vendor
+from kvmem_llama.cli import bench, build, chat, evaluate, generate, models, run, synth, vendor
 from kvmem_llama.cli.console import fail
 from kvmem_llama.errors import KvmemError
 
-COMMAND_MODULES = (vendor, build, generate, models, synth, run, evaluate, bench)
+COMMAND_MODULES = (vendor, build, generate, models, synth, run, chat, evaluate, bench)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -27,6 +27,7 @@ def cli() -> None:
     First steps:
       kvmem build                 build the CPU engine (or --sm 90 for CUDA)
       kvmem generate "Hello"      generate text with the embedded default model
+      kvmem chat                  chat with it in the terminal
       kvmem engines               list built engines
     """
 

@@ -9,6 +9,7 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import click
@@ -109,25 +110,59 @@ def _split_model(model: str | None, server_args: tuple[str, ...]) -> tuple[str |
     return model, list(server_args)
 
 
+def launch_options(default_port: str) -> Callable[[Callable], Callable]:
+    """The options of a command that starts a server the way `kvmem run` does (run, chat)."""
+    options = [
+        click.option("--ctx", type=click.IntRange(256), help="Context in tokens (default: from the plan)."),
+        click.option("--ctk", type=CACHE_TYPES, help="K cache type (default: from the plan)."),
+        click.option("--ctv", type=CACHE_TYPES, help="V cache type (default: same as --ctk)."),
+        click.option("--mode", type=click.Choice(sorted(argv.SAMPLING_PROFILES)), default="chat", show_default=True,
+                     help="Sampling defaults: chat (temp 0.7, top-p 0.9, top-k 20) or tool (temp 0.2, top-p 0.8, "
+                          "top-k 20, presence 0.05: agents stop repeating failed calls)."),
+        click.option("--port", default=default_port, show_default=True, help="Port, or `auto` for a free one."),
+        click.option("--host", default=launch.DEFAULT_HOST, show_default=True, help="Address to listen on."),
+        click.option("--name", help="Server name for ps/stop/logs (default: the model id)."),
+        click.option("--engine", help="Engine key from `kvmem engines`, or `cpu` (default: the one for your GPU)."),
+        click.option("--rpc", metavar="HOST:PORT,...",
+                     help="Offload to llama.cpp rpc-server(s) (see `kvmem rpc-server`)."),
+        click.option("--draft-mtp/--no-draft-mtp", default=None,
+                     help="Speculative decoding with the model's MTP head (default: on when the model has one and "
+                          "it fits)."),
+        click.option("--timeout", type=click.FloatRange(1), default=300, show_default=True,
+                     help="Readiness timeout, s."),
+        click.option("--yes", "-y", is_flag=True, help="Download a missing model without asking."),
+    ]
+
+    def apply(command: Callable) -> Callable:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
+
+
+LAUNCH_OPTION_NAMES = ("ctx", "ctk", "ctv", "mode", "port", "host", "name", "engine", "rpc", "draft_mtp", "timeout",
+                       "yes")
+
+
+def confirm_download(yes: bool) -> Callable[[str], bool]:
+    return lambda message: yes or click.confirm(message, default=True, err=True)
+
+
+def print_web_ui(url: str) -> None:
+    ui = launch.web_ui_url(url)
+    if ui:
+        console.print(f"web UI {ui}", soft_wrap=True)
+    else:
+        console.print(f"[dim]no web UI at {url}/ (this engine was built without it, or --no-ui was given)[/]",
+                      soft_wrap=True)
+
+
 @click.command("run", context_settings={"ignore_unknown_options": True})
 @click.argument("model", required=False)
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
-@click.option("--ctx", type=click.IntRange(256), help="Context in tokens (default: from the plan).")
-@click.option("--ctk", type=CACHE_TYPES, help="K cache type (default: from the plan).")
-@click.option("--ctv", type=CACHE_TYPES, help="V cache type (default: same as --ctk).")
-@click.option("--mode", type=click.Choice(sorted(argv.SAMPLING_PROFILES)), default="chat", show_default=True,
-              help="Sampling defaults: chat (temp 0.7, top-p 0.9, top-k 20) or tool (temp 0.2, top-p 0.8, "
-                   "top-k 20, presence 0.05: agents stop repeating failed calls).")
-@click.option("--port", default=str(launch.DEFAULT_PORT), show_default=True, help="Port, or `auto` for a free one.")
-@click.option("--host", default=launch.DEFAULT_HOST, show_default=True, help="Address to listen on.")
-@click.option("--name", help="Server name for ps/stop/logs (default: the model id).")
+@launch_options(default_port=str(launch.DEFAULT_PORT))
 @click.option("--detach", "-d", is_flag=True, help="Run in the background (own session); see `kvmem ps`.")
-@click.option("--engine", help="Engine key from `kvmem engines`, or `cpu` (default: the one for your GPU).")
-@click.option("--rpc", metavar="HOST:PORT,...", help="Offload to llama.cpp rpc-server(s) (see `kvmem rpc-server`).")
-@click.option("--draft-mtp/--no-draft-mtp", default=None,
-              help="Speculative decoding with the model's MTP head (default: on when the model has one and it fits).")
-@click.option("--timeout", type=click.FloatRange(1), default=300, show_default=True, help="Readiness timeout, s.")
-@click.option("--yes", "-y", is_flag=True, help="Download a missing model without asking.")
 @click.option("--quiet", "-q", is_flag=True, help="Do not echo the server log to the console.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and the llama-server command, start nothing.")
 def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ctk: str | None, ctv: str | None,
@@ -147,12 +182,8 @@ def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ct
     tiering on) a needle prompt longer than the GPU budget is answered correctly.
     """
     model, extra = _split_model(model, server_args)
-
-    def confirm(message: str) -> bool:
-        return yes or click.confirm(message, default=True, err=True)
-
     lp = launch.prepare(model, extra_args=extra, ctx=ctx, port=port, host=host, mode=mode, ctk=ctk, ctv=ctv,
-                          engine=engine, rpc=rpc, pull=True, confirm=confirm, draft_mtp=draft_mtp)
+                        engine=engine, rpc=rpc, pull=True, confirm=confirm_download(yes), draft_mtp=draft_mtp)
     _print_warnings(lp.notes, lp.plan.fixes)
     if dry_run:
         console.print(f"engine {lp.engine.key}; model id {lp.model_id}; tiering {'on' if lp.tiering else 'off'}")
@@ -187,6 +218,7 @@ def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ct
                       f"ctx {handle.ctx or '?'}  budget {budget}  log {handle.log_path}", soft_wrap=True)
         if handle.self_test:
             console.print(f"[green]self-test:[/] {handle.self_test}", soft_wrap=True)
+        print_web_ui(handle.url)
         if detach:
             console.print(f"detached as [bold]{handle.name}[/] (pid {handle.pid}): "
                           f"`kvmem logs {handle.name} -f`, `kvmem stop {handle.name}`", soft_wrap=True)
@@ -214,6 +246,7 @@ def serve_cmd(ctx: click.Context) -> None:
 
     `kvmem serve --help` prints llama-server's own help; the exit code is llama-server's.
     """
+    argv.refuse_download_flags(ctx.args)
     hw = hardware.detect()
     engine = select_engine(hw, os.environ.get("KVMEM_ENGINE") or None)
     command = [str(engine.server), *ctx.args]

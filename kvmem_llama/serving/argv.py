@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvmem_llama import planner
 from kvmem_llama.engine import Engine
@@ -33,6 +34,41 @@ FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
 )
 SWITCHES = {"--strict-model-id"}  # flags of ours that take no value
 _GROUP_OF = {flag: group[0] for group in FLAG_GROUPS for flag in group}
+
+
+# llama-server flags (and env twins) that download a model themselves, always over HTTPS: the engine
+# is built without OpenSSL, so they fail late with "HTTPS is not supported"; kvmem pull does it instead.
+DOWNLOAD_FLAGS: dict[str, str] = {
+    "-hf": "LLAMA_ARG_HF_REPO", "-hfr": "LLAMA_ARG_HF_REPO", "--hf-repo": "LLAMA_ARG_HF_REPO",
+    "-hfd": "LLAMA_ARG_SPEC_DRAFT_HF_REPO", "-hfrd": "LLAMA_ARG_SPEC_DRAFT_HF_REPO",
+    "--hf-repo-draft": "LLAMA_ARG_SPEC_DRAFT_HF_REPO", "--spec-draft-hf": "LLAMA_ARG_SPEC_DRAFT_HF_REPO",
+    "-dr": "LLAMA_ARG_DOCKER_REPO", "--docker-repo": "LLAMA_ARG_DOCKER_REPO",
+}
+URL_FLAGS: dict[str, str] = {"-mu": "LLAMA_ARG_MODEL_URL", "--model-url": "LLAMA_ARG_MODEL_URL",
+                             "-mmu": "LLAMA_ARG_MMPROJ_URL", "--mmproj-url": "LLAMA_ARG_MMPROJ_URL"}
+
+
+def refuse_download_flags(args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    """Stop before the engine starts when llama-server would have to download over HTTPS (-hf, ...)."""
+    env = os.environ if env is None else env
+    items = list(args)
+    for i, arg in enumerate(items):
+        flag, eq, inline = arg.partition("=")
+        value = inline if eq else (items[i + 1] if i + 1 < len(items) else "")
+        if flag in DOWNLOAD_FLAGS or (flag in URL_FLAGS and value.lower().startswith("https:")):
+            _refuse(flag, value)
+    for flag, var in {**DOWNLOAD_FLAGS, **URL_FLAGS}.items():
+        value = env.get(var, "")
+        if value and (flag in DOWNLOAD_FLAGS or value.lower().startswith("https:")):
+            _refuse(f"{var} (env twin of {flag})", value)
+
+
+def _refuse(what: str, value: str) -> None:
+    repo = value.split(":", 1)[0] if "/" in value and "://" not in value else "OWNER/REPO"
+    raise KvmemError(f"{what} {value}: llama-server would download over HTTPS, which kvmem's engines are built "
+                     "without (no OpenSSL)",
+                     hint=f"kvmem pull {repo}:FILE.gguf (or an alias from `kvmem search`), then "
+                          f"`kvmem run {repo}:FILE.gguf` or `kvmem serve -m PATH`")
 
 
 def engine_help(engine: Engine) -> str:

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from kvmem_llama import hardware, planner
 from kvmem_llama.engine import Engine, select_engine
 from kvmem_llama.errors import KvmemError
@@ -72,6 +74,7 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
             confirm: Callable[[str], bool] | None = None, self_test: bool = True,
             draft_mtp: bool | None = None) -> LaunchPlan:
     """Resolve model + engine, plan memory and build the argv: plan < profile < user flags."""
+    argv.refuse_download_flags(extra_args)
     resolved = resolve_model(model, pull=pull, confirm=confirm)
     hw = hw or hardware.detect()
     chosen = select_engine(hw, engine)
@@ -148,6 +151,17 @@ def launch(lp: LaunchPlan, *, name: str | None = None, detach: bool = False,
                                         lp.budget, str(log_path), lp.argv, lp.engine.key, detach,
                                         create_time=registry.process_start_time(handle.pid)))
     return handle
+
+
+def web_ui_url(url: str, timeout: float = 5.0) -> str | None:
+    """`URL/` when the server serves its built-in web UI there, else None (an engine built without
+    the UI, or --no-ui, answers 404)."""
+    try:
+        resp = httpx.get(url.rstrip("/") + "/", timeout=timeout, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    ok = resp.status_code == 200 and "text/html" in resp.headers.get("content-type", "")
+    return url.rstrip("/") + "/" if ok else None
 
 
 def start_server(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: int | None = None,
