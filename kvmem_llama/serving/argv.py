@@ -153,6 +153,9 @@ def profile_args(profile: planner.Profile, help_text: str, tiering: bool, has_gp
                  "--kvmem-gen-reserve", str(profile.gen_reserve)]
         if profile.host_mib and supports(help_text, "--kvmem-host-mib"):
             args += ["--kvmem-host-mib", str(profile.host_mib)]
+        if profile.gpu_type == "same" and profile.ctk not in planner.UNQUANTIZED \
+                and supports(help_text, "--kvmem-gpu-type"):
+            args += ["--kvmem-gpu-type", "same"]  # the plan's budget counts a quantized working set
     if profile.draft_mtp and "draft-mtp" in help_text:
         args += ["--spec-type", "draft-mtp"]
     return args
