@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from kvmem_llama import doctor, hardware, planner
@@ -227,7 +228,7 @@ def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ct
     except KeyboardInterrupt:
         err_console.print("[dim]kvmem: stopping the server[/]")
         code = handle.stop()
-        err_console.print(f"[dim]kvmem: stopped (exit code {code})[/]")
+        err_console.print(f"[dim]kvmem: {process.describe_stop(handle.stop_result)} (exit code {code})[/]")
         return 0 if ready else 130
     except BaseException:
         code = handle.stop()  # not ready (ServerFailed carries the log) or our own bug: never leave it behind
@@ -235,7 +236,8 @@ def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ct
     finally:
         signal.signal(signal.SIGTERM, previous)
     handle.stop()
-    raise handle.failed(f"llama-server exited with code {code}")
+    raise handle.failed(f"llama-server {process.describe_exit(code)}; `kvmem ps` lists it until "
+                        f"`kvmem stop {handle.name}`")
 
 
 @click.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
@@ -285,10 +287,17 @@ def _uptime(seconds: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _status_cell(state: str, status: str) -> str:
+    color = {"running": "green", "exited": "yellow"}.get(state, "red")
+    return f"[{color}]{escape(status)}[/]"
+
+
 @click.command("ps")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def ps_cmd(as_json: bool) -> None:
-    """List servers started by `kvmem run` (records of exited foreground runs are dropped)."""
+    """List servers started by `kvmem run`: running ones, and those that ended without `kvmem stop` with
+    their exit code (e.g. "crashed (exit code -9, SIGKILL)"; `kvmem logs NAME` still has the log,
+    `kvmem stop NAME` forgets them)."""
     rows = [asdict(status) for status in registry.statuses()]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
@@ -303,8 +312,7 @@ def ps_cmd(as_json: bool) -> None:
         table.add_row(row["name"], str(row["pid"]), str(row["port"]), row["model"], str(row["ctx"] or "-"),
                       f"{row['budget']:,}" if row["budget"] else "off", _uptime(row["uptime_s"]),
                       human_bytes(row["rss"]), human_bytes(row["vram"]),
-                      ("[green]running[/]" if row["alive"] else "[red]exited[/]") +
-                      ("" if row["detached"] else " (fg)"))
+                      _status_cell(row["state"], row["status"]) + ("" if row["detached"] else " (fg)"))
     console.print(table)
 
 
@@ -322,7 +330,7 @@ def stop_cmd(names: tuple[str, ...], stop_all: bool, timeout: float) -> None:
         console.print("no servers to stop")
     for record in records:
         result = registry.stop(record, timeout)
-        console.print(f"{record.name}: {result}")
+        console.print(f"{record.name}: {process.describe_stop(result)}")
 
 
 @click.command("logs")

@@ -23,7 +23,7 @@ from kvmem_llama.engine import Engine, select_engine
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.models import ResolvedModel, resolve_model
 from kvmem_llama.models.gguf_info import model_info
-from kvmem_llama.serving import argv, registry
+from kvmem_llama.serving import argv, process, registry
 from kvmem_llama.serving.process import LOOPBACK, ServerProcess, free_port, port_in_use
 
 DEFAULT_HOST = LOOPBACK
@@ -98,6 +98,9 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
     notes += why
     host = str(given.get("--host") or host)
     port_num = pick_port(host, given.get("--port") or port)
+    exposed = process.exposure_warning(host, port_num, process.api_key_from(user))
+    if exposed:
+        notes.append(exposed)
     model_id = (given.get("-a") or resolved.alias or registry.slug(resolved.path.stem)).split(",")[0].strip()
     # with --rpc, layers go to the RPC devices
     base = argv.profile_args(profile, help_text, tiering, on_gpu or bool(rpc))
@@ -126,16 +129,23 @@ class ServerHandle(ServerProcess):
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def stop(self, timeout: float = 15.0) -> int | None:
+        """Stop the server and forget its record; a server that was ready and ended on its own keeps its
+        record with the exit code (`kvmem ps` shows it as crashed)."""
+        ended_on_its_own = self.ready and self.returncode() is not None
         code = super().stop(timeout)
         record = registry.load(self.name)
         if record is not None and record.pid == self.pid:
-            registry.remove(self.name)
+            if ended_on_its_own:
+                registry.mark_exited(self.name, record.pid, code)
+            else:
+                registry.remove(self.name)
         return code
 
 
 def launch(lp: LaunchPlan, *, name: str | None = None, detach: bool = False,
            on_line: Callable[[str], None] | None = None, env: dict[str, str] | None = None) -> ServerHandle:
-    """Start the planned server with its output going to its log file (appended, never lost)."""
+    """Start the planned server with its output going to its log file (appended, never lost). A detached
+    server runs under serving.monitor, which records its exit code once this process is gone."""
     name = registry.check_name(name) if name else registry.unique_name(lp.model_id)
     existing = registry.load(name)
     if existing is not None and existing.alive:
@@ -145,11 +155,13 @@ def launch(lp: LaunchPlan, *, name: str | None = None, detach: bool = False,
     banner = f"=== kvmem: starting {name} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(lp.argv)}"
     handle = ServerHandle.spawn(lp.argv, log_path, host=lp.host, port=lp.port, append=True, banner=banner, env=env,
                                 on_line=on_line, model_id=lp.model_id, ctx=lp.ctx, budget=lp.budget, name=name,
-                                model_path=lp.model.path, engine=lp.engine, detached=detach, notes=list(lp.notes))
-    assert handle.pid is not None
+                                model_path=lp.model.path, engine=lp.engine, detached=detach, notes=list(lp.notes),
+                                monitor_record=registry.record_path(name) if detach else None)
+    assert handle.pid is not None and handle.process is not None
     registry.save(registry.ServerRecord(name, handle.pid, lp.host, lp.port, lp.model_id, str(lp.model.path), lp.ctx,
                                         lp.budget, str(log_path), lp.argv, lp.engine.key, detach,
-                                        create_time=registry.process_start_time(handle.pid)))
+                                        create_time=registry.process_start_time(handle.pid),
+                                        monitor_pid=handle.process.pid if detach else None))
     return handle
 
 

@@ -1,5 +1,7 @@
 """The one place that starts and stops llama-server: a process with its log file, readiness that
-means "answers correctly", the tiering self-test, stop (SIGTERM, then SIGKILL), and the log's tail.
+means "answers correctly", the tiering self-test, stop (SIGTERM, a second SIGTERM, then SIGKILL), the
+API key of a server started with --api-key, and the log's tail. A detached server runs under a small
+monitor process (serving.monitor) that records its exit status for `kvmem ps`.
 
 `kvmem run` (through serving.launch), `kvmem bench`, `kvmem eval`, the tests and the GPU checks all
 start their servers here:
@@ -13,11 +15,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import re
+import select
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -30,6 +36,10 @@ from kvmem_llama.errors import KvmemError
 
 LOOPBACK = "127.0.0.1"
 STOP_TIMEOUT = 15.0  # seconds between SIGTERM and SIGKILL
+# llama-server finishes the batch it is computing before it honours SIGTERM (a 2048-token prompt batch
+# can take a minute on a loaded CPU) and then waits for its open requests; a second SIGTERM makes it
+# exit at once ("Received second interrupt, terminating immediately"): stop() sends it after this many s
+FORCE_AFTER = 5.0
 
 
 class ServerFailed(KvmemError):
@@ -71,6 +81,19 @@ def tail_lines(path: Path | str, n: int = 20, start: int = 0) -> list[str]:
     except OSError:
         return []
     return data.decode("utf-8", errors="replace").splitlines()[-n:]
+
+
+_ERROR_LINE = re.compile(r"^\S+ E (?:\S+\s+)?(?:[\w:]+\s*:\s*)?(.+)$")
+
+
+def first_error(lines: Sequence[str]) -> str | None:
+    """The first error llama-server logged ("error loading model: unknown model architecture: 'x'",
+    "couldn't bind HTTP server socket, ..."): what a failed start is about."""
+    for line in lines:
+        m = _ERROR_LINE.match(line)
+        if m:
+            return m.group(1).strip()
+    return None
 
 
 def _tail_to(path: Path, start: int, on_line: Callable[[str], None], stop: threading.Event) -> None:
@@ -116,21 +139,128 @@ def follow_log_while(path: Path, on_line: Callable[[str], None], start: int, run
 # --- stopping ---
 
 
-def stop_process(proc: subprocess.Popen | psutil.Process, timeout: float = STOP_TIMEOUT) -> str:
-    """SIGTERM, then SIGKILL after `timeout` s. Returns "stopped", "killed" or "not running"."""
+def stop_process(proc: subprocess.Popen | psutil.Process, timeout: float = STOP_TIMEOUT,
+                 force_after: float | None = None) -> str:
+    """SIGTERM; with `force_after`, a second SIGTERM after that many s (llama-server then exits at once);
+    SIGKILL after `timeout` s in all. Returns "stopped", "forced" (it took the second SIGTERM), "killed"
+    or "not running"."""
     try:
         if isinstance(proc, subprocess.Popen) and proc.poll() is not None:
             return "not running"
         proc.terminate()
+        first = timeout if force_after is None else min(force_after, timeout)
         try:
-            proc.wait(timeout)
+            proc.wait(first)
             return "stopped"
         except (subprocess.TimeoutExpired, psutil.TimeoutExpired):
-            proc.kill()
-            proc.wait()
-            return "killed"
+            pass
+        if force_after is not None and timeout > first:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout - first)
+                return "forced"
+            except (subprocess.TimeoutExpired, psutil.TimeoutExpired):
+                pass
+        proc.kill()
+        proc.wait()
+        return "killed"
     except psutil.NoSuchProcess:
         return "stopped"
+
+
+def describe_stop(result: str | None, force_after: float = FORCE_AFTER) -> str:
+    """What stop_process did, in words: "stopped", or why it took more than one SIGTERM."""
+    return {
+        "forced": f"stopped with a second SIGTERM (still busy {force_after:g} s after the first; "
+                  "open requests were cut)",
+        "killed": "killed with SIGKILL (it did not exit on SIGTERM)",
+    }.get(result or "", result or "not running")
+
+
+def signal_name(code: int) -> str | None:
+    """SIGKILL for -9 (how Popen reports a death by signal), else None."""
+    if code >= 0:
+        return None
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def describe_exit(code: int | None) -> str:
+    """How a server ended, as `kvmem ps` and `kvmem run` say it."""
+    if code is None:
+        return "exited (exit code unknown)"
+    if code == 0:
+        return "exited (code 0)"
+    name = signal_name(code)
+    return f"crashed (exit code {code}, {name})" if name else f"crashed (exit code {code})"
+
+
+def slot_context(ctx: int, args: Sequence[str], n_ctx_train: int | None = None) -> int:
+    """The context of one request (what /v1/models reports as n_ctx) of llama-server -c `ctx` with `args`:
+    -np N (N > 1) splits it N ways unless the KV cache is unified (--kv-unified), and caps each slot at the
+    model's training context. One slot, or -np auto (4 unified slots), keeps `ctx`: a context beyond the
+    training one, which llama-server caps, is then refused by the readiness check, not served silently."""
+    slots, unified = -1, None
+    items = list(args)
+    for i, arg in enumerate(items):
+        flag, eq, inline = arg.partition("=")
+        if flag in ("-np", "--parallel"):
+            value = inline if eq else (items[i + 1] if i + 1 < len(items) else "")
+            slots = int(value) if value.lstrip("-").isdigit() else slots
+        elif flag in ("--kv-unified", "-kvu"):
+            unified = True
+        elif flag in ("--no-kv-unified", "-no-kvu"):
+            unified = False
+    if slots <= 1:
+        return ctx
+    share = ctx if unified else ctx // slots
+    return min(share, n_ctx_train) if n_ctx_train else share
+
+
+# --- API keys and exposure ---
+
+
+def api_key_from(args: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
+    """The (first) API key a llama-server started with `args` asks for: --api-key K1,K2 or --api-key-file
+    (one key a line, # comments), else their env twins LLAMA_API_KEY / LLAMA_ARG_API_KEY_FILE."""
+    env = os.environ if env is None else env
+    items = list(args)
+    key = key_file = None
+    for i, arg in enumerate(items):
+        flag, eq, inline = arg.partition("=")
+        if flag in ("--api-key", "--api-key-file"):
+            value = inline if eq else (items[i + 1] if i + 1 < len(items) else "")
+            if flag == "--api-key":
+                key = value
+            else:
+                key_file = value
+    if key is None and key_file is None:
+        key, key_file = env.get("LLAMA_API_KEY"), env.get("LLAMA_ARG_API_KEY_FILE")
+    if key:
+        return key.split(",")[0].strip() or None
+    if key_file:
+        try:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+        except OSError:
+            return None
+        return next((line.strip() for line in lines if line.strip() and not line.startswith("#")), None)
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.") or host.endswith(".sock")
+
+
+def exposure_warning(host: str, port: int, api_key: str | None) -> str | None:
+    """The warning for a server that listens beyond loopback without an API key (None otherwise)."""
+    if api_key or is_loopback(host):
+        return None
+    where = "every network interface" if host in ("0.0.0.0", "::", "") else host
+    return (f"--host {host} listens on {where} and no --api-key is set: anyone who can reach port {port} can use "
+            "the API unauthenticated (completions, /slots, /metrics); pass --api-key KEY (clients send "
+            "'Authorization: Bearer KEY') or keep --host 127.0.0.1")
 
 
 # --- the tiering self-test ---
@@ -192,30 +322,51 @@ class ServerProcess:
     ctx: int | None = None
     budget: int = 0
     self_test: str | None = None  # what the self-test found, once it passed
+    api_key: str | None = None  # sent as a bearer token by the readiness checks (from --api-key)
+    server_pid: int | None = None  # under a monitor (detached): the server's pid; `process` is the monitor
+    ready: bool = False  # wait_ready() passed
+    stop_result: str | None = None  # what stop() had to do: stopped, forced, killed, not running
     _follower: threading.Event | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def spawn(cls: type[Server], argv: Sequence[str], log_path: Path, *, host: str, port: int, append: bool = False,
               banner: str | None = None, env: dict[str, str] | None = None,
-              on_line: Callable[[str], None] | None = None, **fields) -> Server:
+              on_line: Callable[[str], None] | None = None, monitor_record: Path | None = None,
+              **fields) -> Server:
         """Start `argv` in its own session, its output going to `log_path` (appended, or a new file).
 
         `banner` is written to the log first; `on_line` gets every line the server logs (an echo).
+        With `monitor_record` (a registry record path) the server runs under serving.monitor, which
+        outlives this process and writes the server's exit status into that record.
         """
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab" if append else "wb") as fh:
             if banner:
                 fh.write(f"{banner}\n".encode())
             offset = fh.tell()
+        full_env = {**os.environ, **env} if env else None
+        command, pass_fds, pid_read = list(argv), (), None
+        if monitor_record is not None:
+            pid_read, pid_write = os.pipe()
+            command = [sys.executable, "-m", "kvmem_llama.serving.monitor", "--record", str(monitor_record),
+                       "--pid-fd", str(pid_write), "--", *argv]
+            pass_fds = (pid_write,)
         logfh = open(log_path, "ab")
         try:
-            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=logfh, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env={**os.environ, **env} if env else None)
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logfh, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env=full_env, pass_fds=pass_fds)
         except OSError as exc:
             raise KvmemError(f"cannot start {argv[0]}: {exc}", hint="rebuild the engine: kvmem build --force") from None
         finally:
             logfh.close()  # the child has its own descriptor
+            for fd in pass_fds:
+                os.close(fd)
+        server_pid = None
+        if pid_read is not None:
+            server_pid = _read_monitor_pid(pid_read, proc, argv[0])
+        key = api_key_from(argv, full_env)
         server = cls(list(argv), host, port, log_path, proc, offset, **fields)
+        server.api_key, server.server_pid = key, server_pid
         if on_line is not None:
             _, server._follower = follow_log(log_path, on_line, offset)
         return server
@@ -227,7 +378,15 @@ class ServerProcess:
 
     @property
     def pid(self) -> int | None:
+        """The server's pid (not its monitor's)."""
+        if self.server_pid is not None:
+            return self.server_pid
         return self.process.pid if self.process else None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client of this server sends: the bearer token when it was started with --api-key."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def log_text(self) -> str:
         """Everything this run logged so far."""
@@ -244,13 +403,25 @@ class ServerProcess:
         return self.process.wait()
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
-        """SIGTERM, SIGKILL after `timeout`; returns the exit code. Safe to call twice."""
+        """SIGTERM, a second SIGTERM after FORCE_AFTER s, SIGKILL after `timeout`; returns the exit code
+        (under a monitor: the server's, which the monitor mirrors). Safe to call twice."""
         if self._follower is not None:
             self._follower.set()
         if self.process is None:
             return None
-        stop_process(self.process, timeout)
-        return self.process.returncode
+        if self.server_pid is None:
+            self.stop_result = stop_process(self.process, timeout, FORCE_AFTER)
+            return self.process.returncode
+        if self.process.poll() is None:  # the monitor has not seen the server exit yet
+            try:
+                self.stop_result = stop_process(psutil.Process(self.server_pid), timeout, FORCE_AFTER)
+            except psutil.NoSuchProcess:
+                self.stop_result = "not running"
+        try:
+            return self.process.wait(10)
+        except subprocess.TimeoutExpired:  # a stuck monitor: the server is gone, do not wait for it
+            self.process.kill()
+            return self.process.wait()
 
     def __enter__(self: Server) -> Server:
         return self
@@ -269,7 +440,7 @@ class ServerProcess:
         """/health ok -> /v1/models lists our id (and context) -> tiering self-test. Raises ServerFailed."""
         deadline = time.monotonic() + timeout
         say = on_status or (lambda _msg: None)
-        with httpx.Client(base_url=self.url, timeout=10.0, trust_env=False) as http:
+        with httpx.Client(base_url=self.url, timeout=10.0, trust_env=False, headers=self.headers) as http:
             say("waiting for /health")
             self._poll(http, "/health", deadline)
             if self.model_id is not None:
@@ -283,15 +454,19 @@ class ServerProcess:
                         "VRAM: lower the context (--ctx) or run a model the engine can tier")
                 say("running the tiering self-test")
                 self.self_test = self._run_self_test(http, deadline)
+        self.ready = True
 
     def _check_model(self, models: dict, expect_ctx: int | None) -> None:
         entries = models.get("data", [])
         ids = {e.get("id") for e in entries} | {a for e in entries for a in e.get("aliases", []) or []}
         if self.model_id not in ids:
             raise self.failed(f"/v1/models lists {sorted(i for i in ids if i)}, not {self.model_id!r}")
-        served_ctx = next((e.get("meta", {}).get("n_ctx") for e in entries if e.get("id") == self.model_id), None)
-        if expect_ctx and served_ctx and int(served_ctx) != int(expect_ctx):
-            raise self.failed(f"the server runs a context of {served_ctx}, expected {expect_ctx}")
+        meta = next((e.get("meta", {}) for e in entries if e.get("id") == self.model_id), {})
+        served_ctx = meta.get("n_ctx")
+        want = slot_context(int(expect_ctx), self.argv, meta.get("n_ctx_train")) if expect_ctx else None
+        if want and served_ctx and int(served_ctx) != want:
+            shared = f" (-c {expect_ctx} over the parallel slots)" if want != int(expect_ctx) else ""
+            raise self.failed(f"the server runs a context of {served_ctx}, expected {want}{shared}")
         if served_ctx:
             self.ctx = int(served_ctx)
 
@@ -300,11 +475,15 @@ class ServerProcess:
         while True:
             code = self.returncode()
             if code is not None:
-                raise self.failed(f"llama-server exited with code {code} while starting")
+                why = first_error(self.tail(200))
+                raise self.failed(f"llama-server exited with code {code} while starting" + (f": {why}" if why else ""))
             try:
                 resp = http.get(path)
                 if resp.status_code == 200:
                     return resp
+                if resp.status_code == 401:
+                    raise self.failed(f"{path} answered 401 (invalid API key): the server was started with an API "
+                                      "key that kvmem could not read from --api-key/--api-key-file")
                 last = f"HTTP {resp.status_code}"
             except httpx.HTTPError as exc:
                 last = type(exc).__name__
@@ -329,6 +508,29 @@ class ServerProcess:
         if not ok:
             raise self.failed(f"tiering self-test failed: {why}")
         return why
+
+
+def _read_monitor_pid(fd: int, monitor: subprocess.Popen, program: str, timeout: float = 30.0) -> int:
+    """The server pid that serving.monitor writes to `fd` once it started the server ("error: ..." if it could not)."""
+    data = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                data += chunk
+    finally:
+        os.close(fd)
+    text = data.decode("utf-8", errors="replace").strip()
+    if text.isdigit():
+        return int(text)
+    if monitor.poll() is None:
+        stop_process(monitor, 5)
+    why = text.removeprefix("error: ") or f"the monitor exited with code {monitor.poll()} before starting it"
+    raise KvmemError(f"cannot start {program}: {why}", hint="rebuild the engine: kvmem build --force")
 
 
 def llama_server_argv(server: Path | str, model: Path | str, args: Sequence[str], host: str, port: int) -> list[str]:

@@ -1,7 +1,9 @@
 """Registry of servers started by kvmem: one JSON record + one log file per name in servers_dir().
 
 A record is trusted only while its pid is alive *and* has the same start time, so a reused
-pid is never mistaken for (or killed as) our server.
+pid is never mistaken for (or killed as) our server. A server that ended without `kvmem stop` keeps
+its record with its exit code (written by serving.monitor for a detached server, by the launching
+process for a foreground one): `kvmem ps` shows it as crashed until `kvmem stop NAME` forgets it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import psutil
 from kvmem_llama import hardware, paths
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.files import atomic_write_text
-from kvmem_llama.serving.process import stop_process
+from kvmem_llama.serving.process import FORCE_AFTER, describe_exit, stop_process
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -39,6 +41,9 @@ class ServerRecord:
     detached: bool
     started_at: float = field(default_factory=time.time)
     create_time: float | None = None  # psutil's process start time, guards against pid reuse
+    monitor_pid: int | None = None  # the serving.monitor parent of a detached server
+    exit_code: int | None = None  # how it ended, when it ended without `kvmem stop` (Popen style: -9 = SIGKILL)
+    ended_at: float | None = None
 
     @property
     def url(self) -> str:
@@ -157,11 +162,36 @@ def owner_of_port(port: int) -> str | None:
 
 
 def stop(record: ServerRecord, timeout: float = 15.0) -> str:
-    """SIGTERM, then SIGKILL after `timeout` s. Returns "stopped", "killed" or "not running"."""
+    """SIGTERM, a second SIGTERM after FORCE_AFTER s (llama-server then exits at once), SIGKILL after
+    `timeout` s; then the record is forgotten. Returns "stopped", "forced", "killed" or "not running"."""
     proc = record.process()
-    result = "not running" if proc is None else stop_process(proc, timeout)
+    result = "not running" if proc is None else stop_process(proc, timeout, FORCE_AFTER)
+    _wait_for_monitor(record)
     remove(record.name)
     return result
+
+
+def _wait_for_monitor(record: ServerRecord, timeout: float = 10.0) -> None:
+    """Let a detached server's monitor write its last word before the record is removed."""
+    if record.monitor_pid is None:
+        return
+    try:
+        monitor = psutil.Process(record.monitor_pid)
+        if "kvmem_llama.serving.monitor" in " ".join(monitor.cmdline()):
+            monitor.wait(timeout)
+    except (psutil.Error, psutil.TimeoutExpired):
+        pass
+
+
+def mark_exited(name: str, pid: int, code: int | None) -> ServerRecord | None:
+    """Keep the record of a server that ended on its own, with how it ended (if it is still this pid's)."""
+    record = load(name)
+    if record is None or record.pid != pid:
+        return None
+    if record.exit_code is None:  # the monitor may have written it already
+        record.exit_code, record.ended_at = code, time.time()
+        save(record)
+    return record
 
 
 @dataclass
@@ -181,17 +211,21 @@ class ServerStatus:
     detached: bool
     url: str
     log: str
+    state: str = "running"  # running, exited (code 0 or unknown) or crashed
+    exit_code: int | None = None
+    status: str = "running"  # what `kvmem ps` prints: "running", "crashed (exit code -9, SIGKILL)", ...
 
 
 def statuses() -> list[ServerStatus]:
-    """The registered servers, live or exited; records of foreground runs that died (with their
-    terminal) are dropped on the way: nobody is left to stop them."""
+    """The registered servers, live or ended. A server that ended shows how (its exit code, when the
+    monitor or the launching process saw it); records of foreground runs that died without a word
+    (with their terminal) are dropped on the way: nobody is left to stop them."""
     records = list_records()
     vram = hardware.process_vram([r.pid for r in records])
     out = []
     for record in records:
         proc = record.process()
-        if proc is None and not record.detached:
+        if proc is None and not record.detached and record.exit_code is None:
             remove(record.name)
             continue
         rss = None
@@ -200,8 +234,13 @@ def statuses() -> list[ServerStatus]:
                 rss = proc.memory_info().rss
             except psutil.Error:
                 pass
+        if proc is not None:
+            state, status = "running", "running"
+        else:
+            status = describe_exit(record.exit_code)
+            state = status.split(" ", 1)[0]
         out.append(ServerStatus(
             record.name, record.pid, record.port, record.model_id, record.ctx, record.budget, proc is not None,
             time.time() - record.started_at if proc is not None else None, rss, vram.get(record.pid),
-            record.detached, record.url, record.log_path))
+            record.detached, record.url, record.log_path, state, record.exit_code, status))
     return out
