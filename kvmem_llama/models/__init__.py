@@ -261,6 +261,7 @@ def resolve_model(name_or_path: str | None, *, pull: bool = False, confirm: Conf
         raise KvmemError("invalid model name (NUL byte)")
     rec = store.find(name)
     if rec is not None and _record_ok(rec):
+        store.check_unchanged(rec, progress)  # a file changed after `kvmem pull` is never run silently
         entry = _catalog.lookup(name) or next((e for a in rec.aliases if (e := _catalog.lookup(a))), None)
         alias = name.lower() if name.lower() in rec.aliases else (rec.aliases[0] if rec.aliases else None)
         return ResolvedModel(Path(rec.path), alias, entry, rec)

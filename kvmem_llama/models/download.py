@@ -21,7 +21,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -313,12 +313,9 @@ def download_verified(client: httpx.Client, job: Download, target: Path, partial
     partial_dir.mkdir(parents=True, exist_ok=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     part, state_path, lock_path = partial_paths(partial_dir, job.sha256)
-    with open(lock_path, "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise KvmemError(f"another kvmem process is downloading {job.label or job.sha256}",
-                             hint="wait for it to finish, or stop it") from None
+    with _download_lock(lock_path, job.label or job.sha256):
+        if _already_there(target, job):  # another process finished this file while we waited for the hub
+            return target
         SegmentedDownloader(client, job, part, state_path, connections=connections, headers=headers,
                             max_retries=max_retries, backoff=backoff, progress=progress).run()
         size = part.stat().st_size
@@ -345,9 +342,53 @@ def download_verified(client: httpx.Client, job: Download, target: Path, partial
             os.fsync(dfd)
             os.close(dfd)
         _discard(None, state_path)
-    with contextlib.suppress(OSError):
-        lock_path.unlink()
     return target
+
+
+@contextlib.contextmanager
+def _download_lock(lock_path: Path, label: str) -> Iterator[int]:
+    """An exclusive flock on the download's lock file, or KvmemError naming the process that holds it.
+
+    The holder unlinks the lock file when the block ends without an error, while still holding it; a
+    process that opened the old file then finds the path gone (or another inode) after locking and starts
+    over on the current one, so two processes never both hold "the" lock.
+    """
+    for _ in range(50):
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                who = f" (pid {holder})" if holder.isdigit() else ""
+                raise KvmemError(f"another kvmem process{who} is downloading {label} into the same store",
+                                 hint="wait for it to finish (then this command has nothing left to fetch), "
+                                      "or stop it: its partial download is kept and resumed") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                continue  # the previous holder finished and removed it: lock the current file
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            yield fd
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
+            return
+        finally:
+            os.close(fd)
+    raise KvmemError(f"could not lock {lock_path}", hint="is another kvmem process pulling the same file in a loop?")
+
+
+def _already_there(target: Path, job: Download) -> bool:
+    """Is `target` already this download, complete (a concurrent pull of the same file finished it)?"""
+    try:
+        if target.stat().st_size != job.size:
+            return False
+    except OSError:
+        return False
+    return sha256_file(target) == job.sha256
 
 
 def _discard(part: Path | None, state_path: Path) -> None:

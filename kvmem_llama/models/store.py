@@ -230,6 +230,25 @@ def verify(rec: Record, progress: Progress | None = None) -> str:
     return got
 
 
+def changed_since_verified(rec: Record) -> bool:
+    """Was the file written to (or replaced) after it was last hashed? Size, and an mtime newer than the
+    record's last verification (or, never verified, its registration): a stat, no reading."""
+    try:
+        st = Path(rec.path).stat()
+    except OSError:
+        return True
+    since = max(rec.verified_at or 0.0, rec.added_at)
+    return st.st_size != rec.size or st.st_mtime > since
+
+
+def check_unchanged(rec: Record, progress: Progress | None = None) -> Record:
+    """Before a stored file is used: hash it again if it changed since it was verified (`verify` raises
+    VerificationError, expected vs got, when the content differs from the record)."""
+    if changed_since_verified(rec):
+        verify(rec, progress)
+    return rec
+
+
 def import_file(src: Path, aliases: list[str] | tuple[str, ...] = (), progress: Progress | None = None,
                 sha256: str | None = None) -> Record:
     """Bring a local GGUF into the store: hard link when possible, else copy; hash recorded."""
