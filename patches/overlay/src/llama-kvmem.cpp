@@ -38,6 +38,10 @@ std::string llama_kvmem_cache::check(const llama_model & model, const llama_cpar
     if (!cparams.kv_unified && cparams.n_seq_max > 1) {
         return "parallel sequences need a unified KV cache (--kv-unified)";
     }
+    if (model.split_mode() == LLAMA_SPLIT_MODE_TENSOR) {
+        // each KV row is split over the devices: block copies move whole rows of one device's buffer
+        return "--split-mode tensor splits every KV row across devices: not tiered yet; use --split-mode layer or row";
+    }
     uint32_t n_attn = 0;
     for (uint32_t il = 0; il < hp.n_layer(); ++il) {
         if (!hp.has_kv(il) || hp.is_recr(il)) {
@@ -242,11 +246,18 @@ bool llama_kvmem_cache::protected_block(const seq_state & st, int32_t b) const {
 }
 
 void llama_kvmem_cache::evict_block(llama_seq_id seq_id, int32_t b, hblock & hb) {
-    const int32_t B = kp.block;
-    if (journal) {
-        journal->evicted.push_back({ { seq_id, b }, block_cells(seq_id, b) });
+    // the block's own cells (found through the sequence's position map), not a scan of the whole working set
+    std::vector<uint32_t> idx = block_cells(seq_id, b);
+    auto & cells = v_cells[0];
+    auto & head  = v_heads[0];
+    for (const uint32_t i : idx) {
+        if (cells.seq_rm(i, seq_id) && i < head) {
+            head = i;
+        }
     }
-    llama_kv_cache::seq_rm(seq_id, b*B, (b + 1)*B);
+    if (journal) {
+        journal->evicted.push_back({ { seq_id, b }, std::move(idx) });
+    }
     hb.resident = false;
     hb.picked   = false;
 }
