@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from test_scale_rpc import rpc_server
 
 from kvmem_llama import hardware, kvmem_log, planner
 from kvmem_llama.engine import Engine, build_sm_flag, check_engine_for_gpu, list_engines, select_engine
@@ -335,24 +336,12 @@ def test_serve_is_a_drop_in(smollm2: Path) -> None:
 
 
 def test_rpc_server_loopback(smollm2: Path, tmp_path: Path) -> None:
-    port = process.free_port()
-    rpc = subprocess.Popen([*kvmem(), "rpc-server", "--port", str(port)], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while not process.port_in_use("127.0.0.1", port):
-            assert rpc.poll() is None, rpc.stdout.read() if rpc.stdout else ""
-            assert time.monotonic() < deadline, "rpc-server did not listen"
-            time.sleep(0.2)
-        with launch.start_server(None, ctx=1024, rpc=f"127.0.0.1:{port}", ready_timeout=180,
-                                   extra_args=["-lv", "4"]) as srv:
-            command = srv.argv
-            assert command[command.index("--rpc") + 1] == f"127.0.0.1:{port}" and "-ngl" in command
-            reply = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
-                "model": srv.model_id, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4})
-            assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
-            log = srv.log_text()
-            assert f"using device RPC0 (127.0.0.1:{port})" in log and "offloaded 31/31 layers" in log
-    finally:
-        os.killpg(rpc.pid, signal.SIGTERM)
-        rpc.wait(15)
+    with rpc_server() as endpoint, launch.start_server(None, ctx=1024, rpc=endpoint, ready_timeout=180,
+                                                       extra_args=["-lv", "4"]) as srv:
+        command = srv.argv
+        assert command[command.index("--rpc") + 1] == endpoint and "-ngl" in command
+        reply = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
+            "model": srv.model_id, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
+        log = srv.log_text()
+        assert f"using device RPC0 ({endpoint})" in log and "offloaded 31/31 layers" in log
