@@ -169,6 +169,73 @@ def sampling_args(mode: str) -> list[str]:
     return [item for flag, value in profile.items() for item in (flag, f"{value:g}")]
 
 
+# the engine's defaults for the flags that size a tiered working set (llama-server --help)
+KVMEM_DEFAULTS = {"--kvmem-block": 128, "--kvmem-sink": 128, "--kvmem-recent": 256, "--kvmem-gen-reserve": 256,
+                  "--ubatch-size": 512}
+_SPELLINGS = {"-ub": "--ubatch-size", "-np": "--parallel"}
+
+
+def _last_values(args: Sequence[str]) -> dict[str, str]:
+    values: dict[str, str] = {}
+    items = list(args)
+    for i, arg in enumerate(items):
+        flag, eq, inline = arg.partition("=")
+        flag = _SPELLINGS.get(flag, flag)
+        if flag in KVMEM_DEFAULTS or flag in ("--parallel", "--kvmem-budget"):
+            values[flag] = inline if eq else (items[i + 1] if i + 1 < len(items) else "")
+    return values
+
+
+def parallel_room(budget: int, n_parallel: int, block: int, sink: int, recent: int, gen_reserve: int) -> int:
+    """Free cells for the next ubatch when every slot is reading a prompt at once.
+
+    The working set has budget + n_parallel x gen_reserve cells; while it reads a prompt, each active slot
+    keeps its newest blocks up to its share of the budget, which is at least sink + recent + 2 blocks (the
+    engine's floor). Measured on the CPU engine: -np 4 / 4,096 / 64-token blocks / reserve 128 answers four
+    prompts at once (room 512 = the ubatch); -np 2 / 384 or 960 with reserve 64 and -np 4 / 1,024 with the
+    defaults (room 128, 192, -512) fail with "no room for a ubatch".
+    """
+    blocks = lambda tokens: -(-tokens // block)  # noqa: E731
+    floor = blocks(sink) + blocks(recent) + 2
+    share = max(floor, (budget // block) // n_parallel) * block
+    return budget + n_parallel * gen_reserve - n_parallel * share
+
+
+def parallel_tiering_warning(args: Sequence[str], budget: int) -> str | None:
+    """A warning when -np N slots cannot all read prompts at once within the tiered working set: concurrent
+    prompts then fail with "KV tiering: no room for a ubatch" (HTTP 500 for every request of that batch),
+    although the server started. None when there is room, or with one slot."""
+    values = _last_values(args)
+    try:
+        n = int(values.get("--parallel", "-1"))
+        sizes = {flag: int(values.get(flag, default)) for flag, default in KVMEM_DEFAULTS.items()}
+    except ValueError:
+        return None
+    slots = f"-np {n}"
+    if n < 0:  # llama-server's auto: 4 slots over one unified KV cache
+        n, slots = 4, "-np auto (4 slots)"
+    if n <= 1 or budget <= 0:
+        return None
+    block, sink, recent, reserve, ubatch = (sizes["--kvmem-block"], sizes["--kvmem-sink"], sizes["--kvmem-recent"],
+                                            sizes["--kvmem-gen-reserve"], sizes["--ubatch-size"])
+    if parallel_room(budget, n, block, sink, recent, reserve) >= ubatch:
+        return None
+    # the shares grow with the budget, so only the reserves make room beyond them: N x reserve >= ubatch
+    need_reserve = max(reserve, -(-ubatch // n))
+    need = budget
+    while parallel_room(need, n, block, sink, recent, need_reserve) < ubatch and need < 1 << 24:
+        need += block
+    fix = f"--kvmem-budget {need}" if need > budget else ""
+    if need_reserve > reserve:
+        fix = f"{fix} with " if fix else ""
+        fix += f"--kvmem-gen-reserve {need_reserve}"
+    floor = (-(-sink // block) + -(-recent // block) + 2) * block
+    return (f"{slots} with --kvmem-budget {budget}: each slot reading a prompt keeps at least {floor} tokens (sink "
+            f"+ recent + 2 blocks) of the shared working set of {budget + n * reserve} cells, so {n} prompts at once "
+            f"can leave no room for a {ubatch}-token ubatch and fail with 'KV tiering: no room for a ubatch' (HTTP "
+            f"500 for every request in that batch); use {fix} or more, fewer slots (-np 1), or a smaller -ub")
+
+
 def decide_tiering(profile: planner.Profile, help_text: str,
                    given: dict[str, str | None]) -> tuple[planner.Profile, bool, int, list[str]]:
     """(profile to launch, tiering on?, budget in tokens, notes) for this engine and the user's flags.

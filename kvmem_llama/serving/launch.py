@@ -110,6 +110,9 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
     if rpc:
         ours += ["--rpc", rpc]
     command = [str(chosen.server), *argv.merge_args(base + ours, argv.sampling_args(mode), user)]
+    crowded = argv.parallel_tiering_warning(command, budget) if tiering else None
+    if crowded:
+        notes.append(crowded)
     user_ctx = given.get("-c")
     run_ctx = int(user_ctx) if user_ctx and str(user_ctx).isdigit() else profile.ctx
     if run_ctx == 0:
