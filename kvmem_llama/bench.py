@@ -28,7 +28,7 @@ import psutil
 
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.kvmem_log import parse_armed, parse_select
-from kvmem_llama.serving.process import LOOPBACK, ServerProcess, llama_server_argv
+from kvmem_llama.serving.process import LOOPBACK, ServerProcess, free_port, llama_server_argv
 
 TURN2_TOKENS = 512
 TURN1_GEN = 16  # turn 1 measures prefill; it generates only enough to end the turn
@@ -99,13 +99,14 @@ def _complete(url: str, tokens: list[int], n_predict: int) -> dict:
 
 
 def run_one(server: Path, model: Path, config: str, context: int, server_args: list[str], log_dir: Path,
-            gen_tokens: int = 1024, port: int = 18181, seed: int = 0, ready_timeout: float = 600,
+            gen_tokens: int = 1024, port: int | None = None, seed: int = 0, ready_timeout: float = 600,
             repeat: int = 0) -> BenchResult:
     log_path = log_dir / f"{config}-{context}-r{repeat}.log"
     log_dir.mkdir(parents=True, exist_ok=True)
     n_ctx = context + TURN2_TOKENS + TURN1_GEN + gen_tokens + 64
     args = ["-c", str(n_ctx), "-np", "1", "--no-webui", "-lv", "4", *server_args]  # -lv 4: the KV buffer sizes
     started = time.monotonic()
+    port = port or free_port()  # a fixed default collides with a second bench or test run
     srv = ServerProcess.spawn(llama_server_argv(server, model, args, LOOPBACK, port), log_path,
                               host=LOOPBACK, port=port)
     assert srv.pid is not None

@@ -151,6 +151,11 @@ class Llama:
         self._lib = lib
         self.path = path
         self.vocab = lib.llama_model_get_vocab(model)
+        # model facts, fixed for the model's lifetime
+        self.n_ctx = int(lib.llama_n_ctx(ctx))
+        self.n_ctx_train = int(lib.llama_model_n_ctx_train(model))
+        self.n_layer = int(lib.llama_model_n_layer(model))
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
 
     @classmethod
     def load(cls, model_path: str | Path, *, n_ctx: int = 4096, n_batch: int = 2048,
@@ -207,22 +212,6 @@ class Llama:
             pass
 
     # --- model facts ---
-    @property
-    def n_ctx(self) -> int:
-        return int(self._lib.llama_n_ctx(self._ctx))
-
-    @property
-    def n_ctx_train(self) -> int:
-        return int(self._lib.llama_model_n_ctx_train(self._model))
-
-    @property
-    def n_layer(self) -> int:
-        return int(self._lib.llama_model_n_layer(self._model))
-
-    @property
-    def n_vocab(self) -> int:
-        return int(self._lib.llama_vocab_n_tokens(self.vocab))
-
     def describe(self) -> str:
         buf = ffi.new("char[]", 256)
         self._lib.llama_model_desc(self._model, buf, 256)

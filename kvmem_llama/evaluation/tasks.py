@@ -7,6 +7,9 @@ A sample depends only on (seed, task, length, depth, index): every configuration
 comparison sees exactly the same prompts, and the depths of one sample share their haystack.
 `niah_followup` is a two-request chat: its first user turn (a document, answered but not
 scored) is `Sample.history`, the scored second turn is `Sample.prompt`.
+
+One module on purpose (~440 lines): the eight generators share the haystack, the needle placement,
+the seeding rule and the length fitting; split per task, each file would carry those rules again.
 """
 
 from __future__ import annotations
@@ -332,16 +335,17 @@ ALIASES = {
 }
 
 
+def _csv_items(text: str) -> list[str]:
+    """The non-empty items of a comma list, stripped and lower-cased."""
+    return [item for item in (raw.strip().lower() for raw in text.split(",")) if item]
+
+
 def parse_tasks(spec: str) -> list[str]:
     out: list[str] = []
-    for raw in spec.split(","):
-        name = raw.strip().lower()
-        if not name:
-            continue
-        names = ALIASES.get(name, [name])
-        for n in names:
+    for name in _csv_items(spec):
+        for n in ALIASES.get(name, [name]):
             if n not in TASKS:
-                raise KvmemError(f"unknown task {raw.strip()!r}",
+                raise KvmemError(f"unknown task {name!r}",
                                  hint=f"tasks: {', '.join(TASKS)}; groups: {', '.join(ALIASES)}")
             if n not in out:
                 out.append(n)
@@ -353,15 +357,12 @@ def parse_tasks(spec: str) -> list[str]:
 def parse_depths(text: str) -> list[int]:
     """`10,50,90` or `spread10` (= 5,15,...,95: the middles of 10 equal slices); `spreadK` likewise."""
     out: list[int] = []
-    for raw in text.split(","):
-        item = raw.strip().lower()
-        if not item:
-            continue
+    for item in _csv_items(text):
         spread = SPREAD.match(item)
         if spread:
             k = int(spread[1])
             if not 1 <= k <= 100:
-                raise KvmemError(f"bad depths {raw.strip()!r}", hint="spreadK with K from 1 to 100, e.g. spread10")
+                raise KvmemError(f"bad depths {item!r}", hint="spreadK with K from 1 to 100, e.g. spread10")
             values = [round((i + 0.5) * 100 / k) for i in range(k)]
         else:
             try:
