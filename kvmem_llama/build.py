@@ -2,6 +2,9 @@
 
 pipeline: verified upstream tree -> patched tree (cached by pin + series hash)
           -> cmake build dir per target (incremental, ccache) -> engine store entry (kvmem_llama.engine).
+
+~420 lines: the steps of one pipeline over one BuildPlan (fetch, patch, configure, compile, install);
+the web UI's npm build is apart in kvmem_llama/webui.py.
 """
 
 from __future__ import annotations

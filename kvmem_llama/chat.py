@@ -11,6 +11,9 @@
     reply = session.ask("Hello")
     for piece in reply:
         print(piece.text, end="")
+
+One module (~500 lines) on purpose: the session's slash commands reach into the conversation and
+the client, and the three are only used together; the CLI (cli/chat.py) only parses and prints.
 """
 
 from __future__ import annotations
