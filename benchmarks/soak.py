@@ -3,7 +3,9 @@
 
 One llama-server (started the way `kvmem run` starts it: serving.launch, SmolLM2-135M, KV tiering on with a
 --kvmem-budget well under the prompts, -np 4 --kv-unified, --metrics) gets a bounded random mix from
---clients concurrent clients:
+--clients concurrent clients. The tiering defaults (budget 1,536, 64-token blocks, sink 64, recent 128) leave
+room for four prompts read at once: with 128-token blocks a budget of 1,024 does not (each slot keeps at least
+sink + recent + 2 blocks; concurrent prompts then fail with "no room for a ubatch"; `kvmem run` warns).
 
   long      a 4-7K-token haystack with a 7-digit needle, non-streamed; the answer is checked
   followup  a long haystack with two needles, then a second turn asking for the other one (same slot, cached
@@ -38,6 +40,7 @@ import os
 import random
 import re
 import shlex
+import signal
 import socket
 import statistics
 import sys
@@ -82,6 +85,7 @@ class Outcome:
     found: int = 0  # needles answered correctly
     cross_slot: list[str] = field(default_factory=list)  # other requests' codes that appeared in this answer
     answer: str = ""
+    cut: bool = False  # in flight when the soak itself was interrupted: not counted as a failure
 
 
 class Codes:
@@ -117,6 +121,7 @@ class Soak:
         self.in_flight = 0
         self.requests = 0
         self.crash: str | None = None
+        self.interrupted = False
         self.t0 = time.monotonic()
         self.proc = psutil.Process(srv.pid)
 
@@ -255,6 +260,7 @@ class Soak:
                     getattr(self, f"run_{kind}")(http, rng, rid, out)
                 except (httpx.HTTPError, OSError, ValueError, KeyError) as exc:
                     out.ok, out.error = False, f"{type(exc).__name__}: {exc}"[:300]
+                    out.cut = self.interrupted
                 finally:
                     out.seconds = time.monotonic() - t
                     with self.lock:
@@ -377,7 +383,7 @@ def summarize(soak: Soak, args: argparse.Namespace, command: str, wall_s: float)
         rows = [o for o in outcomes if o.kind == kind]
         secs = sorted(o.seconds for o in rows)
         kinds[kind] = {
-            "requests": len(rows), "ok": sum(o.ok for o in rows), "failed": sum(not o.ok for o in rows),
+            "requests": len(rows), "ok": sum(o.ok for o in rows), "failed": sum(not o.ok and not o.cut for o in rows),
             "p50_s": round(statistics.median(secs), 1) if secs else None,
             "max_s": round(secs[-1], 1) if secs else None,
             "needles": sum(o.needles for o in rows), "found": sum(o.found for o in rows),
@@ -399,8 +405,9 @@ def summarize(soak: Soak, args: argparse.Namespace, command: str, wall_s: float)
     pool_high = max((s.get("metrics", {}).get("kvmem_host_bytes", 0.0) for s in soak.samples), default=0.0)
     first, last = soak.samples[0], soak.samples[-1]
     cross = [(o.kind, o.cross_slot) for o in outcomes if o.cross_slot]
-    failed = [asdict(o) for o in outcomes if not o.ok]
+    failed = [asdict(o) for o in outcomes if not o.ok and not o.cut]
     criteria = {
+        "ran_the_full_duration": not soak.interrupted and soak.crash is None,
         "no_failed_requests": not failed,
         "no_crash": soak.crash is None,
         "rss_growth_after_warmup_le_5pct": growth is not None and growth <= 0.05,
@@ -408,7 +415,9 @@ def summarize(soak: Soak, args: argparse.Namespace, command: str, wall_s: float)
         "no_cross_slot_text": not cross,
     }
     return {
-        "command": command, "args": vars(args), "wall_s": round(wall_s, 1), "server_argv": soak.srv.argv,
+        "command": command, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "wall_s": round(wall_s, 1), "server_argv": soak.srv.argv, "notes": soak.srv.notes,
+        "interrupted": soak.interrupted,
         "engine": soak.srv.engine.key if soak.srv.engine else None,
         "machine": {"cpus": os.cpu_count(), "load_avg_end": os.getloadavg()},
         "kinds": kinds, "requests": len(outcomes),
@@ -433,6 +442,7 @@ def _ratio(a: int, b: int) -> float | None:
 def markdown(result: dict[str, Any]) -> str:
     mib = 2**20
     lines = [f"Command: `{result['command']}`", "",
+             f"Engine {result['engine']}; server flags: `{_server_flags(result['server_argv'])}`", "",
              f"Wall time {result['wall_s'] / 60:.1f} min, {result['requests']} requests, "
              f"{result['machine']['cpus']} CPUs (load average at the end "
              f"{', '.join(f'{x:.1f}' for x in result['machine']['load_avg_end'])}).", "",
@@ -463,11 +473,25 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{c['host_bytes_erased']} bytes; RSS {_mib(c['rss_erased'], mib)} |")
     lines += ["", "| criterion | result |", "|---|---|"]
     lines += [f"| {name.replace('_', ' ')} | {'PASS' if ok else 'FAIL'} |" for name, ok in result["criteria"].items()]
+    if result["interrupted"]:
+        lines.append(f"\nInterrupted after {result['wall_s'] / 60:.1f} min, before --duration ended.")
     if result["crash"]:
         lines.append(f"\nCrash: {result['crash']}")
     for f in result["failed"][:10]:
         lines.append(f"\nFailed: {f['kind']} at {f['t_start']:.0f} s: {f['error']}")
     return "\n".join(lines) + "\n"
+
+
+def _server_flags(argv: list[str]) -> str:
+    """The flags that shape the run (not the paths, the port or the sampling profile)."""
+    keep = ("-c", "-np", "--kv-unified", "--kvmem-budget", "--kvmem-block", "--kvmem-sink", "--kvmem-recent", "-t",
+            "--threads-http", "--metrics")
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg in keep:
+            takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("-")
+            out += [arg, argv[i + 1]] if takes_value else [arg]
+    return " ".join(out)
 
 
 def _mib(value: float | None, mib: int) -> str:
@@ -521,7 +545,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=1800, help="seconds of load (default 30 min)")
     ap.add_argument("--clients", type=int, default=6, help="concurrent clients (4-8)")
-    ap.add_argument("--budget", type=int, default=1024, help="--kvmem-budget in tokens (prompts are 4-7K)")
+    ap.add_argument("--budget", type=int, default=1536, help="--kvmem-budget in tokens (prompts are 4-7K)")
+    ap.add_argument("--block", type=int, default=64, help="--kvmem-block")
+    ap.add_argument("--sink", type=int, default=64, help="--kvmem-sink")
+    ap.add_argument("--recent", type=int, default=128, help="--kvmem-recent")
     ap.add_argument("--ctx", type=int, default=32768, help="-c: the unified KV of the 4 slots")
     ap.add_argument("--interval", type=float, default=10, help="sampling interval, s")
     ap.add_argument("--warmup", type=float, default=None,
@@ -538,13 +565,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _sigterm(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm)
     command = shlex.join(["python", "benchmarks/soak.py", *(sys.argv[1:] if argv is None else argv)])
     if args.warmup is None:
         args.warmup = args.duration / 3
     slot_dir = tempfile.mkdtemp(prefix="kvmem-soak-slots-")  # --slot-save-path enables POST /slots/ID?action=erase
-    extra = ["-np", "4", "--kv-unified", "--kvmem-budget", str(args.budget), "--metrics", "-t", str(args.threads),
+    extra = ["-np", "4", "--kv-unified", "--kvmem-budget", str(args.budget), "--kvmem-block", str(args.block),
+             "--kvmem-sink", str(args.sink), "--kvmem-recent", str(args.recent), "--metrics", "-t", str(args.threads),
              "--threads-http", str(args.clients + 4), "--slot-save-path", slot_dir]
     t_start = time.monotonic()
     try:
@@ -554,11 +587,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
         return 2
     print(f"server {srv.url} pid {srv.pid} log {srv.log_path}\n  {shlex.join(srv.argv)}", flush=True)
+    for note in srv.notes:
+        print(f"note: {note}", flush=True)
     try:
         tps, slot_ctx = calibrate(srv)
         soak = Soak(srv, args, tps, slot_ctx)
         soak.log(f"{tps:.2f} tokens per filler sentence, {slot_ctx} tokens per slot; self-test: {srv.self_test}")
-        soak.run()
+        try:
+            soak.run()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop here and still write what was measured
+            soak.interrupted = True
+            soak.stop.set()
+            soak.log("interrupted: writing the results so far")
         exit_code = srv.returncode()
     finally:
         srv.stop()
