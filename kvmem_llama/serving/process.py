@@ -8,6 +8,9 @@ start their servers here:
 
     with start_llama_server(engine.server, model, ["-c", "4096"], log_path) as srv:
         httpx.post(srv.url + "/completion", json={"prompt": "Hello", "n_predict": 8})
+
+One module (~550 lines) because it is the single owner of the process lifecycle: splitting spawn,
+readiness and stop apart would let callers start a server without the stop and log rules again.
 """
 
 from __future__ import annotations
