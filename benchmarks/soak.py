@@ -608,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     result["server_exit_code_before_stop"] = exit_code
     result["server_log"] = str(srv.log_path)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "soak.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (args.out / "soak.json").write_text(json.dumps(result, separators=(",", ":"), default=str) + "\n")
     (args.out / "soak.md").write_text(markdown(result))
     hint = plot(result, args.out / "soak.png")
     print(markdown(result))

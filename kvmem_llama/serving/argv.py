@@ -191,9 +191,10 @@ def parallel_room(budget: int, n_parallel: int, block: int, sink: int, recent: i
 
     The working set has budget + n_parallel x gen_reserve cells; while it reads a prompt, each active slot
     keeps its newest blocks up to its share of the budget, which is at least sink + recent + 2 blocks (the
-    engine's floor). Measured on the CPU engine: -np 4 / 4,096 / 64-token blocks / reserve 128 answers four
-    prompts at once (room 512 = the ubatch); -np 2 / 384 or 960 with reserve 64 and -np 4 / 1,024 with the
-    defaults (room 128, 192, -512) fail with "no room for a ubatch".
+    engine's floor). Measured on the CPU engine (SmolLM2, 512-token ubatches, prompts read at once): -np 2,
+    64-token blocks, reserve 256, budget 640 (room 512) and -np 4, 64-token blocks, budget 1,536 (room 1,024)
+    answer; -np 2 with reserve 64 at budget 384 or 960 (room -128, 192) and -np 4 at 1,024 with the defaults
+    (room -512) fail with "no room for a ubatch".
     """
     blocks = lambda tokens: -(-tokens // block)  # noqa: E731
     floor = blocks(sink) + blocks(recent) + 2
