@@ -142,6 +142,16 @@ class Completion:
         return len(self.tokens) / (self.decode_ms / 1000) if self.decode_ms else 0.0
 
 
+def _with_room(kind: str, cap: int, call: Callable) -> tuple:
+    """llama.cpp's buffer protocol: a negative result is the room needed; call again with that much."""
+    buf = ffi.new(kind, cap)
+    n = call(buf, cap)
+    if n < 0:
+        buf = ffi.new(kind, -n)
+        n = call(buf, -n)
+    return buf, n
+
+
 class Llama:
     """A model and one context on it."""
 
@@ -220,34 +230,21 @@ class Llama:
     # --- text <-> tokens ---
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         data = text.encode("utf-8")
-        cap = len(data) + 16
-        buf = ffi.new("llama_token[]", cap)
-        n = self._lib.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = ffi.new("llama_token[]", cap)
-            n = self._lib.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        buf, n = _with_room("llama_token[]", len(data) + 16, lambda b, cap: self._lib.llama_tokenize(
+            self.vocab, data, len(data), b, cap, add_special, parse_special))
         if n < 0:
             raise KvmemError(f"tokenization failed ({n})")
         return list(buf[0:n])
 
     def token_piece(self, token: int, special: bool = False) -> bytes:
-        buf = ffi.new("char[]", 64)
-        n = self._lib.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
-        if n < 0:
-            buf = ffi.new("char[]", -n)
-            n = self._lib.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+        buf, n = _with_room("char[]", 64, lambda b, cap: self._lib.llama_token_to_piece(
+            self.vocab, token, b, cap, 0, special))
         return ffi.buffer(buf, n)[:]
 
     def detokenize(self, tokens: list[int], special: bool = False) -> str:
         arr = ffi.new("llama_token[]", tokens)
-        cap = max(64, len(tokens) * 8)
-        buf = ffi.new("char[]", cap)
-        n = self._lib.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, special)
-        if n < 0:
-            cap = -n
-            buf = ffi.new("char[]", cap)
-            n = self._lib.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, special)
+        buf, n = _with_room("char[]", max(64, len(tokens) * 8), lambda b, cap: self._lib.llama_detokenize(
+            self.vocab, arr, len(tokens), b, cap, False, special))
         return ffi.buffer(buf, n)[:].decode("utf-8", errors="replace")
 
     # --- KV tiering ---
