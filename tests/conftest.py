@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,3 +65,18 @@ def llama_server(cpu_engine: Engine, tmp_path: Path):
         return run_llama_server(cpu_engine, model, [*threads, *(args or [])], log_path, timeout)
 
     return start
+
+
+@contextlib.contextmanager
+def small_tmpfs(parent: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. "12m") under `parent` for disk-full tests (needs root, as in the CI container);
+    the test is skipped where mounting is refused."""
+    mnt = parent / "small disk"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

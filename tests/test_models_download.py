@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import small_tmpfs
 from hub_server import FakeHub, isolate_env, make_gguf
 
 from kvmem_llama import models
@@ -268,13 +269,8 @@ def test_user_catalog_quant_selector_pulls_from_hub(env, hub, blob):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 12 MiB tmpfs (needs root / CAP_SYS_ADMIN, as in the CI container); skipped where mounting is refused."""
-    mnt = tmp_path / "small disk"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)], capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path, "12m") as mnt:
+        yield mnt
 
 
 def test_disk_full_mid_download_keeps_partial_and_resumes(env, hub, blob, small_disk, monkeypatch):

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from conftest import small_tmpfs
 from hub_server import FakeHub, isolate_env, make_gguf
 
 from kvmem_llama import models
@@ -364,13 +365,8 @@ def test_parallel_slots_with_a_budget_too_small_for_concurrent_prompts(cpu_engin
 @pytest.fixture
 def small_home(tmp_path: Path) -> Iterator[Path]:
     """A 100 MiB tmpfs for KVMEM_HOME (root, as in the CI container; skipped where mounting is refused)."""
-    mnt = tmp_path / "small disk"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(mnt)], capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path, "100m") as mnt:
+        yield mnt
 
 
 def test_disk_full_during_kvmem_pull(tmp_path: Path, small_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
