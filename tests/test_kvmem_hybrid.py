@@ -144,6 +144,10 @@ def test_parallel_slots_each_find_their_own_needle(llama_server, smollm2) -> Non
     sel = kvmem_log.selects(log)
     assert {s["seq"] for s in sel} == {0, 1, 2, 3}
     assert all(s["share"] < s["budget_blocks"] for s in sel if s["staged_in"] > 0)
+    # a prompt that ends mid-batch (the next slot's prompt follows in the same batch) is scored with its
+    # question's rows too, not by recency alone
+    turns = [s for s in sel if s["reason"] == "turn"]
+    assert len(turns) == 4 and all(s["query_tokens"] > 0 and s["scored"] > 0 for s in turns), turns
 
 
 @pytest.mark.slow

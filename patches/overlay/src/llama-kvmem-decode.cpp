@@ -354,7 +354,7 @@ int llama_context::decode(const llama_batch_ext & batch) {
     // what the batch is for each of its sequences
     struct part_t {
         uint32_t n = 0, n_out = 0;
-        size_t last = 0;
+        size_t first = SIZE_MAX, last = 0;
         llama_pos p0 = std::numeric_limits<llama_pos>::max();
         kvmem_batch_kind kind = KVMEM_BATCH_GEN;
     };
@@ -374,6 +374,7 @@ int llama_context::decode(const llama_batch_ext & batch) {
         auto & p = parts[*tok.seq_ids.begin()];
         p.n++;
         p.n_out += tok.output ? 1 : 0;
+        p.first = std::min(p.first, i);
         p.last = i;
         p.p0 = std::min(p.p0, tok.pos[0]);
     }
@@ -432,6 +433,27 @@ int llama_context::decode(const llama_batch_ext & batch) {
             }
         }
     }
+    // multi-sequence batches (parallel slots): the query rows of a ubatch are those of its last tokens, so a
+    // prompt that ends in the middle of a batch (another slot's tokens follow) is decoded as a segment of its
+    // own; otherwise its turn would be scored without its question
+    if (s1 < 0 && !one_pass && km->may_stage((uint32_t) n)) {
+        for (const auto & [s, p] : parts) {
+            if (p.kind != KVMEM_BATCH_TURN) {
+                continue;
+            }
+            bool contiguous = true;
+            for (size_t i = p.first; i <= p.last && contiguous; ++i) {
+                contiguous = *batch.tokens[i].seq_ids.begin() == s;
+            }
+            if (contiguous && p.first > 0) {
+                cuts.push_back({ p.first, "query" });
+            }
+            if (p.last + 1 < n) {
+                cuts.push_back({ p.last + 1, "query" });
+            }
+        }
+        std::sort(cuts.begin(), cuts.end(), [](const cut_t & a, const cut_t & b) { return a.at < b.at; });
+    }
 
     kvmem_assembled_outputs acc(n);
     size_t start = 0;
@@ -458,6 +480,9 @@ int llama_context::decode(const llama_batch_ext & batch) {
         const int ret = run_segment(c.at);
         if (ret != 0) {
             return ret;
+        }
+        if (std::strcmp(c.what, "query") == 0) {
+            continue; // a segment boundary only
         }
         if (std::strcmp(c.what, "snapshot") == 0) {
             kvmem_state_writer w;
