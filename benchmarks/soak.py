@@ -3,9 +3,9 @@
 
 One llama-server (started the way `kvmem run` starts it: serving.launch, SmolLM2-135M, KV tiering on with a
 --kvmem-budget well under the prompts, -np 4 --kv-unified, --metrics) gets a bounded random mix from
---clients concurrent clients. The tiering defaults (budget 1,536, 64-token blocks, sink 64, recent 128) leave
-room for four prompts read at once: with 128-token blocks a budget of 1,024 does not (each slot keeps at least
-sink + recent + 2 blocks; concurrent prompts then fail with "no room for a ubatch"; `kvmem run` warns).
+--clients concurrent clients. The tiering defaults (budget 1,536, 64-token blocks, sink 64, recent 128) serve all
+four slots at once: with 128-token blocks a budget of 1,024 serves two (each busy slot keeps at least sink + recent
++ 2 blocks; the server lets the other requests wait, and `kvmem run` warns).
 
   long      a 4-7K-token haystack with a 7-digit needle, non-streamed; the answer is checked
   followup  a long haystack with two needles, then a second turn asking for the other one (same slot, cached

@@ -108,7 +108,7 @@ def test_prompt_of_8x_the_budget_completes_with_logs_metrics_props_slots(llama_s
     assert sel, log[-3000:]
     assert sel[-1]["n_blocks"] >= out["tokens_evaluated"] // 64 - 1
     assert sel[-1]["sink"] == 1 and sel[-1]["recent"] == 2 and sel[-1]["query_tokens"] == 128
-    assert sel[-1]["reason"] == "turn" and sel[-1]["method"] == "mass"  # retrieval = the default scorer
+    assert sel[-1]["reason"] == "turn" and sel[-1]["method"] == "hybrid"  # retrieval = the default scorer
     assert sel[-1]["sink"] + sel[-1]["recent"] + sel[-1]["scored"] <= 8
 
     assert after["kvmem_selections_total"] > before.get("kvmem_selections_total", 0)

@@ -80,7 +80,7 @@ class KvmemConfig:
     gen_reserve: int = 256
     query_tokens: int = 128
     host_mib: int = 0  # 0 = sized for the whole context
-    method: str = "retrieval"  # the engine's names: retrieval, recency, quest, meankey, subpage, votes, mass
+    method: str = "retrieval"  # the engine's names: retrieval, recency, quest, meankey, subpage, votes, mass, hybrid
     refresh: int = 128  # re-select every N generated tokens; 0 = only when the reserve is full
     trace: bool = False
     prefill: str = "window"  # or "retrieval"
@@ -90,7 +90,7 @@ class KvmemConfig:
         method = lib.llama_kvmem_method_from_name(self.method.encode())
         if method < 0:
             raise KvmemError(f"unknown kvmem method {self.method!r}",
-                             hint="retrieval, recency, quest, meankey, subpage, votes or mass")
+                             hint="retrieval, recency, quest, meankey, subpage, votes, mass or hybrid")
         if self.prefill not in PREFILL_MODES:
             raise KvmemError(f"unknown kvmem prefill mode {self.prefill!r}", hint="window or retrieval")
         if self.gpu_type not in GPU_TYPES:

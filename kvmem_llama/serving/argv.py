@@ -170,9 +170,8 @@ def sampling_args(mode: str) -> list[str]:
 
 
 # the engine's defaults for the flags that size a tiered working set (llama-server --help)
-KVMEM_DEFAULTS = {"--kvmem-block": 128, "--kvmem-sink": 128, "--kvmem-recent": 256, "--kvmem-gen-reserve": 256,
-                  "--ubatch-size": 512}
-_SPELLINGS = {"-ub": "--ubatch-size", "-np": "--parallel"}
+KVMEM_DEFAULTS = {"--kvmem-block": 128, "--kvmem-sink": 128, "--kvmem-recent": 256, "--kvmem-gen-reserve": 256}
+_SPELLINGS = {"-np": "--parallel"}
 
 
 def _last_values(args: Sequence[str]) -> dict[str, str]:
@@ -186,26 +185,22 @@ def _last_values(args: Sequence[str]) -> dict[str, str]:
     return values
 
 
-def parallel_room(budget: int, n_parallel: int, block: int, sink: int, recent: int, gen_reserve: int) -> int:
-    """Free cells for the next ubatch when every slot is reading a prompt at once.
+def slots_at_once(budget: int, n_parallel: int, block: int, sink: int, recent: int, gen_reserve: int) -> int:
+    """How many slots the tiered working set serves at once: the engine's llama_kvmem_max_active().
 
-    The working set has budget + n_parallel x gen_reserve cells; while it reads a prompt, each active slot
-    keeps its newest blocks up to its share of the budget, which is at least sink + recent + 2 blocks (the
-    engine's floor). Measured on the CPU engine (SmolLM2, 512-token ubatches, prompts read at once): -np 2,
-    64-token blocks, reserve 256, budget 640 (room 512) and -np 4, 64-token blocks, budget 1,536 (room 1,024)
-    answer; -np 2 with reserve 64 at budget 384 or 960 (room -128, 192) and -np 4 at 1,024 with the defaults
-    (room -512) fail with "no room for a ubatch".
+    The working set has budget + n_parallel x gen_reserve cells; each slot reading a prompt or generating keeps
+    at least sink + recent + 2 blocks (its floor share) plus an open block or its generation reserve. llama-server
+    lets no more slots than that work at once; further requests wait for one to finish.
     """
     blocks = lambda tokens: -(-tokens // block)  # noqa: E731
-    floor = blocks(sink) + blocks(recent) + 2
-    share = max(floor, (budget // block) // n_parallel) * block
-    return budget + n_parallel * gen_reserve - n_parallel * share
+    per_slot = (blocks(sink) + blocks(recent) + 2) * block + max(block, gen_reserve)
+    return max(1, (budget + n_parallel * gen_reserve) // per_slot)
 
 
 def parallel_tiering_warning(args: Sequence[str], budget: int) -> str | None:
-    """A warning when -np N slots cannot all read prompts at once within the tiered working set: concurrent
-    prompts then fail with "KV tiering: no room for a ubatch" (HTTP 500 for every request of that batch),
-    although the server started. None when there is room, or with one slot."""
+    """A warning when the tiered working set cannot serve all -np N slots at once: the server then lets only
+    some slots work and further requests wait (the engine's admission rule, slots_at_once). None when all
+    fit, or with one slot."""
     values = _last_values(args)
     try:
         n = int(values.get("--parallel", "-1"))
@@ -217,24 +212,18 @@ def parallel_tiering_warning(args: Sequence[str], budget: int) -> str | None:
         n, slots = 4, "-np auto (4 slots)"
     if n <= 1 or budget <= 0:
         return None
-    block, sink, recent, reserve, ubatch = (sizes["--kvmem-block"], sizes["--kvmem-sink"], sizes["--kvmem-recent"],
-                                            sizes["--kvmem-gen-reserve"], sizes["--ubatch-size"])
-    if parallel_room(budget, n, block, sink, recent, reserve) >= ubatch:
+    block, sink, recent, reserve = (sizes["--kvmem-block"], sizes["--kvmem-sink"], sizes["--kvmem-recent"],
+                                    sizes["--kvmem-gen-reserve"])
+    served = slots_at_once(budget, n, block, sink, recent, reserve)
+    if served >= n:
         return None
-    # the shares grow with the budget, so only the reserves make room beyond them: N x reserve >= ubatch
-    need_reserve = max(reserve, -(-ubatch // n))
     need = budget
-    while parallel_room(need, n, block, sink, recent, need_reserve) < ubatch and need < 1 << 24:
+    while slots_at_once(need, n, block, sink, recent, reserve) < n:
         need += block
-    fix = f"--kvmem-budget {need}" if need > budget else ""
-    if need_reserve > reserve:
-        fix = f"{fix} with " if fix else ""
-        fix += f"--kvmem-gen-reserve {need_reserve}"
-    floor = (-(-sink // block) + -(-recent // block) + 2) * block
-    return (f"{slots} with --kvmem-budget {budget}: each slot reading a prompt keeps at least {floor} tokens (sink "
-            f"+ recent + 2 blocks) of the shared working set of {budget + n * reserve} cells, so {n} prompts at once "
-            f"can leave no room for a {ubatch}-token ubatch and fail with 'KV tiering: no room for a ubatch' (HTTP "
-            f"500 for every request in that batch); use {fix} or more, fewer slots (-np 1), or a smaller -ub")
+    return (f"{slots} with --kvmem-budget {budget}: the GPU working set serves {served} slot"
+            f"{'s' if served > 1 else ''} at once (each keeps at least sink + recent + 2 blocks and an open block "
+            f"or its --kvmem-gen-reserve), so further requests wait until one finishes; use --kvmem-budget {need} "
+            f"to serve all {n} at once")
 
 
 def decide_tiering(profile: planner.Profile, help_text: str,

@@ -185,7 +185,8 @@ public:
 
     llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) override {
         auto * recr = get_mem_recr();
-        const uint32_t n_ub = km->max_ubatch(n_ubatch);
+        uint32_t n_ub = km->max_ubatch(n_ubatch);
+        km->fit_ubatch(balloc, n_ub);
         balloc.split_reset();
         std::vector<llama_ubatch> ubatches;
         while (true) {
@@ -722,6 +723,11 @@ int32_t llama_kvmem_seq_release(struct llama_context * ctx, llama_seq_id seq_id)
     }
     km->release_seq(seq_id);
     return 0;
+}
+
+int32_t llama_kvmem_max_active(const struct llama_context * ctx) {
+    auto * km = ctx ? llama_kvmem_cache::from(llama_get_memory(ctx)) : nullptr;
+    return km ? (int32_t) km->max_active() : 0;
 }
 
 const char * llama_kvmem_method_name(int32_t method) {

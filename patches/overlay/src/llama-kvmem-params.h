@@ -13,6 +13,7 @@ enum llama_kvmem_method_e {
     LLAMA_KVMEM_METHOD_SUBPAGE   = 4, // min/max bounds of 16-token sub-pages, a block scores its best sub-page
     LLAMA_KVMEM_METHOD_VOTES     = 5, // each (layer, KV head) votes for its top blocks by sub-page bound
     LLAMA_KVMEM_METHOD_MASS      = 6, // softmax attention mass of the query over 16-token chunk means
+    LLAMA_KVMEM_METHOD_HYBRID    = 7, // mass, with every other pick from the question's rare words (BM25 over block tokens)
     LLAMA_KVMEM_METHOD_COUNT,
 };
 

@@ -10,7 +10,7 @@
 #include <thread>
 
 // the method `--kvmem-method retrieval` (the default) stands for; chosen by measurement (docs/eval)
-static constexpr int32_t KVMEM_DEFAULT_METHOD = LLAMA_KVMEM_METHOD_MASS;
+static constexpr int32_t KVMEM_DEFAULT_METHOD = LLAMA_KVMEM_METHOD_HYBRID;
 
 // bound methods rank a block by the mean of its few best (layer, KV head) z-scores
 static constexpr size_t KVMEM_TOP_HEADS = 4;
@@ -18,7 +18,7 @@ static constexpr size_t KVMEM_TOP_HEADS = 4;
 static constexpr size_t KVMEM_VOTES_PER_HEAD = 8;
 
 static const char * const KVMEM_METHOD_NAMES[LLAMA_KVMEM_METHOD_COUNT] = {
-    "retrieval", "recency", "quest", "meankey", "subpage", "votes", "mass",
+    "retrieval", "recency", "quest", "meankey", "subpage", "votes", "mass", "hybrid",
 };
 
 const char * kvmem_scorer::method_name(int32_t method) {
@@ -38,7 +38,8 @@ int32_t kvmem_scorer::resolve(int32_t method) {
     return method == LLAMA_KVMEM_METHOD_RETRIEVAL ? KVMEM_DEFAULT_METHOD : method;
 }
 
-kvmem_scorer::kvmem_scorer(const kvmem_dims & dims, int32_t method) : d(dims), meth(resolve(method)) {
+kvmem_scorer::kvmem_scorer(const kvmem_dims & dims, int32_t method) :
+        d(dims), named(resolve(method)), meth(named == LLAMA_KVMEM_METHOD_HYBRID ? LLAMA_KVMEM_METHOD_MASS : named) {
     sub = std::min<uint32_t>(meth == LLAMA_KVMEM_METHOD_MASS ? 8 : 16, d.block);
     while (d.block % sub != 0) {
         sub /= 2;

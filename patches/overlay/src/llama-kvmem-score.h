@@ -32,7 +32,9 @@ class kvmem_scorer {
 public:
     kvmem_scorer(const kvmem_dims & dims, int32_t method);
 
-    int32_t method() const { return meth; }
+    int32_t method() const { return named; }
+    // hybrid: the picks alternate between the attention score and the question's rare words (llama-kvmem.cpp)
+    bool lexical() const { return named == LLAMA_KVMEM_METHOD_HYBRID; }
     bool scores() const { return meth != LLAMA_KVMEM_METHOD_RECENCY; }
     bool post_rope() const; // keys and queries after RoPE (positions matter), else before
 
@@ -57,7 +59,8 @@ public:
 
 private:
     kvmem_dims d;
-    int32_t meth;
+    int32_t named; // the method asked for (RETRIEVAL resolved)
+    int32_t meth;  // the attention scorer it uses
     uint32_t sub = 16; // sub-page / chunk tokens
 
     void score_bounds(const std::vector<const float *> & sums, const std::vector<char> & cand,

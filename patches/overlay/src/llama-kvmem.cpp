@@ -28,6 +28,10 @@ static constexpr uint32_t KVMEM_ROW_SLACK = 256;
 
 // tokens kept for recomputing a turn's query span, beyond --kvmem-query-tokens
 static constexpr uint32_t KVMEM_TOKEN_SLACK = 1024;
+// hybrid picks: a question token's weight halves every this many tokens before the question's end (measured
+// offline on 30 samples each of niah_single_essay/multikey/followup at 7.8K tokens, SmolLM2 tokenizer, 128-token
+// query span: the needle block stands out and ranks first in 26, 30, 28 with 16; 11, 10, 17 unweighted)
+static constexpr float KVMEM_LEX_HALF = 16.0f;
 
 std::string llama_kvmem_cache::check(const llama_model & model, const llama_cparams & cparams, const llama_kvmem_params & kp) {
     GGML_UNUSED(kp);
@@ -174,7 +178,8 @@ bool llama_kvmem_context::apply() {
 llama_memory_context_ptr llama_kvmem_cache::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {
     GGML_UNUSED(embd_all);
 
-    const uint32_t n_ub = max_ubatch(n_ubatch);
+    uint32_t n_ub = max_ubatch(n_ubatch);
+    fit_ubatch(balloc, n_ub);
 
     balloc.split_reset();
     std::vector<llama_ubatch> ubatches;
@@ -190,6 +195,62 @@ llama_memory_context_ptr llama_kvmem_cache::init_batch(llama_batch_allocr & ball
     }
     slot_info_vec_t sinfos(ubatches.size());
     return std::make_unique<llama_kvmem_context>(this, std::move(sinfos), std::move(ubatches));
+}
+
+void llama_kvmem_cache::fit_ubatch(const llama_batch_allocr & balloc, uint32_t & n_ub) const {
+    // parallel prompts that together outgrow the working set get smaller ubatches instead of a batch that fails
+    // half-way. room: the free cells plus those evict_one() may take for any ubatch of the batch (idle sequences'
+    // blocks, prompts' blocks, a generating sequence's own blocks when it is alone in the batch, otherwise only
+    // beyond its share); held: what the batch's sequences add that cannot leave (the rest of a new prompt's sink,
+    // the growth of each open block). Only a batch that does not fit whole is split finer, and never below one
+    // token of room: prepare_ubatch() then says what holds the cells.
+    const llama_batch & batch = balloc.get_batch();
+    std::set<llama_seq_id> in_batch;
+    for (int32_t i = 0; i < batch.n_tokens; ++i) {
+        in_batch.insert(batch.seq_id ? batch.seq_id[i][0] : 0);
+    }
+    const uint32_t B = kp.block;
+    uint64_t room = get_size() - std::min(get_size(), v_cells[0].get_used());
+    for (const auto & [s, st] : seqs) {
+        const bool mine = in_batch.count(s) > 0;
+        const bool idle = !mine && !active(st);
+        uint32_t resident = 0, movable = 0;
+        for (const auto & [b, hb] : st.blocks) {
+            if (!hb.resident) {
+                continue;
+            }
+            resident++;
+            movable += (uint32_t) b >= sink_blocks && (idle || !protected_block(st, b)) ? 1 : 0;
+        }
+        if (!idle && st.phase == PHASE_GEN && !(mine && in_batch.size() == 1)) {
+            const uint32_t share = share_blocks(s);
+            movable = std::min(movable, resident > share ? resident - share : 0);
+        }
+        room += (uint64_t) movable*B;
+    }
+    if (room >= (uint64_t) batch.n_tokens) {
+        return;
+    }
+    uint64_t held = 0;
+    for (const auto s : in_batch) {
+        const uint32_t n = (uint32_t) (v_cells[0].seq_pos_max(s) + 1);
+        const uint32_t sink_cells = sink_blocks*B;
+        held += n < sink_cells ? sink_cells - n + (B - 1) : (B - 1) - n % B;
+    }
+    if (room <= held) {
+        return;
+    }
+    const uint32_t fit = (uint32_t) std::min<uint64_t>(room - held, n_ub);
+    if (fit < n_ub && kp.trace) {
+        LLAMA_LOG_WARN("kvmem_trace: ubatch %u -> %u (room %llu, held %llu)\n", n_ub, fit,
+                (unsigned long long) room, (unsigned long long) held);
+    }
+    n_ub = fit;
+}
+
+uint32_t llama_kvmem_cache::max_active() const {
+    const uint32_t per = (sink_blocks + recent_blocks + 2)*kp.block + std::max<uint32_t>(kp.block, kp.gen_reserve);
+    return std::max<uint32_t>(1, get_size()/per);
 }
 
 uint32_t llama_kvmem_cache::max_ubatch(uint32_t n_ubatch) const {
@@ -264,8 +325,11 @@ void llama_kvmem_cache::evict_block(llama_seq_id seq_id, int32_t b, hblock & hb)
 
 bool llama_kvmem_cache::evict_one(llama_seq_id for_seq) {
     // ranks, lowest evicted first: (tier, key). Tiers: 0 idle sequences' blocks, 1 own ordinary blocks,
-    // 2 own picks, 3 another active sequence's ordinary blocks beyond its share, 4 its picks beyond its share.
-    // Ordinary blocks go oldest first, picks lowest score first. Protected blocks never go.
+    // 2 own picks, 3 another active sequence's ordinary blocks beyond its share, 4 its picks beyond its share,
+    // 5 (last resort, parallel prompts that together outgrow the working set) the blocks of another sequence
+    // that is reading a prompt, within its share: its prefill window shrinks instead of the batch failing; its
+    // turn re-selects from the host pool. Ordinary blocks go oldest first, picks lowest score first. Protected
+    // blocks (sinks; during generation the question and the newest blocks) never go.
     // A follower (MTP draft) keeps the blocks its target has resident until last.
     struct cand { int tier; double key; llama_seq_id s; int32_t b; };
     bool found = false;
@@ -273,18 +337,18 @@ bool llama_kvmem_cache::evict_one(llama_seq_id for_seq) {
     for (auto & [s, st] : seqs) {
         const bool own = s == for_seq;
         const bool idle = !active(st);
-        bool over_share = false;
-        if (!own && !idle) {
-            over_share = n_resident(st) > share_blocks(s);
-            if (!over_share) {
+        bool squeeze = false;
+        if (!own && !idle && n_resident(st) <= share_blocks(s)) {
+            if (st.phase != PHASE_PROMPT || leader) {
                 continue;
             }
+            squeeze = true;
         }
         for (auto & [b, hb] : st.blocks) {
             if (!hb.resident || (uint32_t) b < sink_blocks || (!idle && protected_block(st, b))) {
                 continue;
             }
-            int tier = idle ? 0 : (own ? 1 : 3) + (hb.picked ? 1 : 0);
+            int tier = squeeze ? 5 : idle ? 0 : (own ? 1 : 3) + (hb.picked ? 1 : 0);
             if (leader && resident_in_leader(s, b)) {
                 tier += 10;
             }
@@ -299,7 +363,14 @@ bool llama_kvmem_cache::evict_one(llama_seq_id for_seq) {
     if (!found) {
         return false;
     }
-    evict_block(best.s, best.b, seqs[best.s].blocks[best.b]);
+    auto & victim = seqs[best.s];
+    if (best.tier == 5 && !victim.squeezed) {
+        victim.squeezed = true; // once per prompt: the user learns why that slot's prefill saw less
+        LLAMA_LOG_WARN("kvmem: parallel prompts outgrow the working set: seq %d reads its prompt with less than its share "
+                "of --kvmem-budget to make room for seq %d (its turn still selects from the whole history; a larger "
+                "--kvmem-budget keeps full prefill windows)\n", best.s, for_seq);
+    }
+    evict_block(best.s, best.b, victim.blocks[best.b]);
     n_evicted++;
     if (kp.trace) {
         LLAMA_LOG_WARN("kvmem_trace: evict seq=%d block=%d tier=%d for_seq=%d\n", best.s, best.b, best.tier, for_seq);
@@ -360,8 +431,17 @@ bool llama_kvmem_cache::prepare_ubatch(const llama_ubatch & ubatch, slot_info & 
             }
         }
         if (!evicted) {
+            for (const auto & [s, st] : seqs) {
+                uint32_t prot = 0;
+                for (const auto & [b, hb] : st.blocks) {
+                    prot += hb.resident && protected_block(st, b) ? 1 : 0;
+                }
+                LLAMA_LOG_WARN("kvmem: seq %d phase=%d active=%d resident=%u protected=%u share=%u cells=%d..%d\n", s, (int) st.phase,
+                        (int) active(st), n_resident(st), prot, share_blocks(s), v_cells[0].seq_pos_min(s), v_cells[0].seq_pos_max(s));
+            }
+            LLAMA_LOG_WARN("kvmem: used %u of %u cells\n", v_cells[0].get_used(), get_size());
             const std::string msg = format("KV tiering: no room for a ubatch of %u tokens in the GPU working set of %u cells "
-                    "(raise --kvmem-budget or --kvmem-gen-reserve)", ubatch.n_tokens, get_size());
+                    "(raise --kvmem-budget or --kvmem-gen-reserve, or use fewer parallel slots)", ubatch.n_tokens, get_size());
             LLAMA_LOG_ERROR("%s: %s\n", __func__, msg.c_str());
             set_last_error(msg);
             return false;
@@ -390,6 +470,7 @@ kvmem_batch_kind llama_kvmem_cache::begin_batch(llama_seq_id seq_id, uint32_t n,
     if (kind != KVMEM_BATCH_GEN && st.phase != PHASE_PROMPT) {
         end_turn(st);
         st.phase       = PHASE_PROMPT;
+        st.squeezed    = false;
         st.prompt_p0   = p0;
         st.prompt_mark = false;
         if (kp.prefill == LLAMA_KVMEM_PREFILL_RETRIEVAL && scorer->scores()) {
@@ -415,6 +496,7 @@ void llama_kvmem_cache::end_turn(seq_state & st) {
     st.q0 = st.q1 = -1;
     st.turn_q.clear();
     st.turn_q_pos.clear();
+    st.turn_tok.clear();
 }
 
 void llama_kvmem_cache::remember_tokens(llama_seq_id seq_id, const std::vector<std::pair<std::array<llama_pos, 4>, llama_token>> & toks) {
@@ -578,13 +660,86 @@ void llama_kvmem_cache::query_rows(const seq_state & st, std::vector<float> & ro
     }
 }
 
+std::vector<std::pair<float, int32_t>> llama_kvmem_cache::lexical_rank(const seq_state & st, const std::set<int32_t> & exclude) const {
+    std::map<llama_token, uint32_t> qidx; // the question's distinct tokens, each with its largest weight
+    std::vector<float> qw;
+    for (const auto & [t, w] : st.turn_tok) {
+        const auto it = qidx.emplace(t, (uint32_t) qidx.size());
+        if (it.second) {
+            qw.push_back(w);
+        } else {
+            qw[it.first->second] = std::max(qw[it.first->second], w);
+        }
+    }
+    const size_t nq = qidx.size();
+    std::vector<uint32_t> df(nq, 0);
+    std::vector<std::pair<int32_t, std::vector<uint16_t>>> tf; // candidate blocks' term counts
+    uint32_t n_docs = 0;
+    std::vector<uint16_t> cnt(nq);
+    for (const auto & [b, toks] : st.btok) {
+        if (!st.blocks.count(b)) {
+            continue; // the open block, or a block not on the host
+        }
+        n_docs++;
+        std::fill(cnt.begin(), cnt.end(), 0);
+        for (const auto t : toks) {
+            const auto it = t >= 0 ? qidx.find(t) : qidx.end();
+            if (it != qidx.end() && cnt[it->second] < UINT16_MAX) {
+                cnt[it->second]++;
+            }
+        }
+        for (size_t j = 0; j < nq; ++j) {
+            df[j] += cnt[j] > 0 ? 1 : 0;
+        }
+        if (!exclude.count(b)) {
+            tf.push_back({ b, cnt });
+        }
+    }
+    std::vector<std::pair<float, int32_t>> out;
+    if (tf.size() < 2) {
+        return out;
+    }
+    const float k1 = 1.2f;
+    std::vector<float> idf(nq);
+    for (size_t j = 0; j < nq; ++j) {
+        idf[j] = qw[j]*std::log(1.0f + (n_docs - df[j] + 0.5f)/(df[j] + 0.5f));
+    }
+    // a block is a lexical candidate only if it holds a rare word (in at most a tenth of the blocks) from near the
+    // question's end: common words alone rank blocks by noise
+    const uint32_t rare_df = std::max<uint32_t>(1, n_docs/10);
+    double sum = 0.0, sum2 = 0.0;
+    std::vector<char> rare;
+    for (const auto & [b, c] : tf) {
+        float sc = 0.0f;
+        bool has_rare = false;
+        for (size_t j = 0; j < nq; ++j) {
+            sc += c[j] ? idf[j]*c[j]*(k1 + 1.0f)/(c[j] + k1) : 0.0f;
+            has_rare = has_rare || (c[j] > 0 && df[j] <= rare_df && qw[j] >= 0.25f);
+        }
+        out.push_back({ sc, b });
+        rare.push_back(has_rare);
+        sum += sc;
+        sum2 += (double) sc*sc;
+    }
+    for (size_t i = 0; i < out.size(); ++i) {
+        out[i].first = rare[i] ? out[i].first : -1.0f;
+    }
+    const double mean = sum/out.size();
+    const double sd = std::sqrt(std::max(0.0, sum2/out.size() - mean*mean));
+    const float bar = (float) (mean + 2.0*sd);
+    out.erase(std::remove_if(out.begin(), out.end(), [&](const auto & e) { return e.first <= bar || e.first <= 0.0f; }), out.end());
+    std::stable_sort(out.begin(), out.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
+    return out;
+}
+
 std::set<int32_t> llama_kvmem_cache::plan_target(llama_seq_id seq_id, seq_state & st, const char * reason,
-        std::map<int32_t, float> & picks, uint32_t & n_sink, uint32_t & n_question, uint32_t & n_recent, uint32_t & n_rows) {
+        std::map<int32_t, float> & picks, uint32_t & n_sink, uint32_t & n_question, uint32_t & n_recent, uint32_t & n_rows,
+        uint32_t & n_lex) {
     const int32_t B = kp.block;
     const uint32_t share = std::min(budget_blocks, share_blocks(seq_id));
     const uint32_t avail = share - 1; // one block of the share is the partial tail
     std::set<int32_t> target;
-    n_sink = n_question = n_recent = n_rows = 0;
+    n_sink = n_question = n_recent = n_rows = n_lex = 0;
 
     for (auto & [b, hb] : st.blocks) {
         if ((uint32_t) b < sink_blocks && target.size() < avail) {
@@ -638,17 +793,36 @@ std::set<int32_t> llama_kvmem_cache::plan_target(llama_seq_id seq_id, seq_state 
             }
         }
     }
+    // hybrid: every other pick is the next block that shares the question's rare words (attention first), so a
+    // fact the question names is kept even where the model's attention from the question points elsewhere
+    std::vector<std::pair<float, int32_t>> lex;
+    if (scorer->lexical() && n_rows > 0 && !st.turn_tok.empty()) {
+        lex = lexical_rank(st, target);
+    }
     // inside a prompt (retrieval prefill) the picks take at most half: the newest blocks are the other half
     const size_t cap = std::strcmp(reason, "prefill") == 0 ? target.size() + (avail - std::min<size_t>(avail, target.size()))/2 : avail;
-    for (auto & [score, b] : ranked) {
-        if (target.size() >= cap) {
-            break;
+    std::map<int32_t, float> att;
+    for (const auto & [score, b] : ranked) {
+        att[b] = score;
+    }
+    size_t ia = 0, il = 0, n_order = 0;
+    bool lex_turn = false;
+    while (target.size() < cap && (ia < ranked.size() || il < lex.size())) {
+        const bool from_lex = il < lex.size() && (lex_turn || ia >= ranked.size());
+        const int32_t b = from_lex ? lex[il++].second : ranked[ia++].second;
+        if (target.count(b)) {
+            continue;
         }
+        lex_turn = !from_lex;
         target.insert(b);
+        n_lex += from_lex ? 1 : 0;
         if (scorer->scores() && n_rows > 0) {
-            picks[b] = score;
+            // picks leave lowest first under pressure: attention score, or for hybrid the merged order
+            const float prio = scorer->lexical() ? (float) (ranked.size() + lex.size() - n_order++) : att[b];
+            picks[b] = prio;
             if (kp.trace) {
-                LLAMA_LOG_WARN("kvmem_trace: pick seq=%d block=%d score=%.4f\n", seq_id, b, score);
+                LLAMA_LOG_WARN("kvmem_trace: pick seq=%d block=%d score=%.4f lexical=%d\n", seq_id, b, att.count(b) ? att[b] : 0.0f,
+                        (int) from_lex);
             }
         }
     }
@@ -707,6 +881,15 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, const char * reason) {
                 st.turn_q_pos.push_back(r->first);
             }
         }
+        st.turn_tok.clear();
+        for (llama_pos qp = std::max<llama_pos>(0, st.q0); qp < st.q1; ++qp) {
+            const auto bt = st.btok.find(qp/kp.block);
+            if (bt != st.btok.end() && bt->second[qp % kp.block] >= 0) {
+                // half the weight every KVMEM_LEX_HALF tokens before the end of the question
+                const float w = std::pow(0.5f, (float) (st.q1 - 1 - qp)/KVMEM_LEX_HALF);
+                st.turn_tok.push_back({ bt->second[qp % kp.block], w });
+            }
+        }
         st.turn_pos = pos;
         st.phase    = PHASE_GEN;
         st.hint_p0  = st.hint_p1 = -1; // a hint is for one prompt
@@ -735,8 +918,8 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, const char * reason) {
     }
 
     std::map<int32_t, float> picks;
-    uint32_t n_sink = 0, n_question = 0, n_recent = 0, n_rows = 0;
-    const std::set<int32_t> target = plan_target(seq_id, st, reason, picks, n_sink, n_question, n_recent, n_rows);
+    uint32_t n_sink = 0, n_question = 0, n_recent = 0, n_rows = 0, n_lex = 0;
+    const std::set<int32_t> target = plan_target(seq_id, st, reason, picks, n_sink, n_question, n_recent, n_rows, n_lex);
 
     const int64_t t_stage = ggml_time_us();
     uint32_t staged_in = 0, staged_out = 0, reused = 0;
@@ -773,10 +956,10 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, const char * reason) {
 
     const int32_t n_blocks = st.blocks.rbegin()->first + 1;
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%zu staged_in=%u "
-            "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s\n",
+            "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s lexical=%u\n",
             seq_id, n_blocks, budget_blocks, std::min(budget_blocks, share_blocks(seq_id)), n_sink, n_recent, picks.size(), staged_in,
             staged_out, reused, n_rows, ms, stage_ms, (double) staged_in*ws_block_bytes/1024.0/1024.0, reason, pos, n_question,
-            kvmem_scorer::method_name(scorer->method()));
+            kvmem_scorer::method_name(scorer->method()), n_lex);
     if (kp.trace) {
         trace_resident(seq_id, st, pos, reason);
     }
@@ -1038,6 +1221,12 @@ void llama_kvmem_cache::state_read(llama_io_read_i & io, llama_seq_id seq_id, ll
 
 void llama_kvmem_cache::forget_from(seq_state & st, llama_pos p0, llama_pos p1, bool keep_summaries) {
     const int32_t B = kp.block;
+    for (auto it = st.btok.lower_bound(p0/B); it != st.btok.end() && (p1 == POS_END || it->first*B < p1); ) {
+        for (llama_pos p = std::max(p0, it->first*B); p < std::min<llama_pos>(p1, (it->first + 1)*B); ++p) {
+            it->second[p - it->first*B] = -1;
+        }
+        it = it->first*B >= p0 && p1 == POS_END ? st.btok.erase(it) : std::next(it);
+    }
     st.krow.erase(st.krow.lower_bound(p0), st.krow.lower_bound(p1));
     st.qrow.erase(st.qrow.lower_bound(p0), st.qrow.lower_bound(p1));
     if (keep_summaries) {
@@ -1146,6 +1335,17 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
                     row.insert(row.end(), src, src + per_k);
                 }
             }
+        }
+    }
+
+    // token ids by block (hybrid scoring)
+    if (want && scorer->lexical() && ubatch.token) {
+        for (uint32_t i = 0; i < nt; ++i) {
+            auto & toks = seqs[ubatch.seq_id[i][0]].btok[ubatch.pos[i]/B];
+            if (toks.empty()) {
+                toks.assign(B, -1);
+            }
+            toks[ubatch.pos[i] % B] = ubatch.token[i];
         }
     }
 

@@ -22,7 +22,9 @@
 //     the oldest blocks first, never its own newest blocks before older picks.
 //  4. A sequence makes room by evicting idle (released) sequences' blocks, then its own, then
 //     blocks another active sequence holds beyond its share of the budget, never another active
-//     sequence's protected blocks.
+//     sequence's protected blocks. Only when parallel prompts together outgrow the working set does a
+//     prompt take blocks of another sequence that is reading a prompt (within that one's share, logged):
+//     the batch goes on with a smaller prefill window instead of failing.
 //  5. Budget >= context is token-identical to tiering off.
 //
 // Because it *is* a llama_kv_cache and its contexts are llama_kv_cache_context, all model graph
@@ -149,8 +151,15 @@ public:
     // false (and the error set) when the blocks these ubatches complete do not fit in the host pool
     bool host_room_for(const llama_ubatch * ubatches, size_t n_ubatches);
 
+    // sequences the working set holds at once, each at its floor share (sink + recent + 2 blocks) plus an open
+    // block or its generation reserve
+    uint32_t max_active() const;
+
     // largest ubatch that fits next to the sink and one block of history
     uint32_t max_ubatch(uint32_t n_ubatch) const;
+
+    // lowers n_ub to what the working set can take for this batch's sequences now (parallel slots share it)
+    void fit_ubatch(const llama_batch_allocr & balloc, uint32_t & n_ub) const;
 
     // false when nothing was ever evicted and adding n_new tokens cannot evict anything: a selection could not
     // stage anything in (identity with tiering off needs no recompute)
@@ -206,6 +215,8 @@ private:
                                                       // exactly after a truncation
         std::map<llama_pos, std::vector<float>> qrow; // query rows of the newest tokens, by position
         std::vector<float> turn_q;                   // the turn's query rows (the question), kept for refreshes
+        std::map<int32_t, std::vector<llama_token>> btok; // token ids by block (-1: unknown), for lexical picks
+        std::vector<std::pair<llama_token, float>> turn_tok; // the question's tokens, weighted toward its end
         std::vector<llama_pos> turn_q_pos;
         int32_t next_host = 0;                       // first block index not yet on the host
 
@@ -216,6 +227,7 @@ private:
         llama_pos q0 = -1, q1 = -1;                  // the turn's question span
         llama_pos hint_p0 = -1, hint_p1 = -1;        // the application's span of the last user message
         bool      prompt_mark = false;               // the application said a new prompt starts (set_query_span)
+        bool      squeezed    = false;               // this prompt lost blocks within its share to another's (logged once)
 
         std::vector<gen_event> events;               // re-selections since the turn
         llama_pos next_event = -1;                   // next re-selection position during generation
@@ -272,7 +284,7 @@ private:
     bool evict_one(llama_seq_id for_seq);                    // per invariant 4
     void evict_block(llama_seq_id seq_id, int32_t b, hblock & hb);
     std::set<int32_t> plan_target(llama_seq_id seq_id, seq_state & st, const char * reason, std::map<int32_t, float> & picks,
-            uint32_t & n_sink, uint32_t & n_question, uint32_t & n_recent, uint32_t & query_rows);
+            uint32_t & n_sink, uint32_t & n_question, uint32_t & n_recent, uint32_t & query_rows, uint32_t & n_lex);
     void apply_target(llama_seq_id seq_id, seq_state & st, const std::set<int32_t> & target, uint32_t & staged_in,
             uint32_t & staged_out, uint32_t & reused);
     void schedule_event(llama_seq_id seq_id, seq_state & st, llama_pos pos);
@@ -284,6 +296,11 @@ private:
     void drop_host_blocks(llama_seq_id seq_id, int32_t b0); // drop host blocks with index >= b0
     void end_turn(seq_state & st);                          // a new prompt starts: picks become ordinary blocks
     void query_rows(const seq_state & st, std::vector<float> & rows, uint32_t & n_rows) const;
+    // blocks (not in `exclude`) that share rare words with the question, best first: BM25 over block tokens with
+    // the question's tokens weighted toward its end (the span may start inside a long message), kept only when a
+    // block stands out (mean + 2 sd of the candidates) and holds a rare word from near the question's end, so a
+    // question without rare words adds none
+    std::vector<std::pair<float, int32_t>> lexical_rank(const seq_state & st, const std::set<int32_t> & exclude) const;
     void build_summary(seq_state & st, int32_t b, const std::function<const float * (llama_pos, uint32_t)> & key_row);
     std::vector<float> kscratch; // the ubatch's key rows, reused across ubatches
 
