@@ -8,6 +8,8 @@ these tests check the mechanics and that the default scorer finds needles recenc
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_kvmem_engine import FILLER, SMALL, complete, haystack_prompt
 
@@ -92,26 +94,23 @@ def essay_sample(url: str, index: int):
 @pytest.mark.slow
 def test_hybrid_keeps_a_fact_the_question_names_where_attention_points_elsewhere(llama_server, smollm2) -> None:
     """Essay haystacks where SmolLM2's own attention from the question ranks the needle's block far down (issue 13's
-    finding): the default scorer (retrieval = hybrid) takes every other pick from the blocks that share the
-    question's rare words, so the needle's block is resident after the turn; mass alone (the ablation) misses it
-    in these samples. The SELECT line says how many picks were lexical."""
-    found: dict[str, list[bool]] = {"retrieval": [], "mass": []}
-    lexical: list[int] = []
-    for method in found:
-        args = ["-c", "8192", "-np", "1", "--kvmem-budget", "1024", "--kvmem-method", method, "--kvmem-trace"]
-        with llama_server(smollm2, args, timeout=600) as srv:
-            for index in (1, 2):
-                sample = essay_sample(srv.url, index)
-                mark = len(srv.log())
-                complete(srv.url, sample.prompt, n_predict=2)
-                log = srv.log()[mark:]
-                value = sample.expected[0]
-                found[method].append(value_block(srv.url, sample.prompt, value, 128) in turn_resident(log))
-                if method == "retrieval":
-                    lexical.append([s for s in kvmem_log.selects(log) if s["reason"] == "turn"][-1]["lexical"])
-    assert found["retrieval"] == [True, True], found
-    assert all(n >= 1 for n in lexical), lexical
-    assert found["mass"] == [False, False], found  # else these samples no longer show the difference
+    finding; in a paired run `mass` alone keeps it in 76.7 % of 30 samples, hybrid in 96.7 %, docs/eval): the default
+    scorer (retrieval = hybrid) takes every other pick from the blocks that share the question's rare words, so the
+    needle's block is resident after the turn, and it came from the lexical side (the token ids decide that, not
+    the CPU's floating point). The SELECT line says how many picks were lexical."""
+    args = ["-c", "8192", "-np", "1", "--kvmem-budget", "1024", "--kvmem-trace"]
+    with llama_server(smollm2, args, timeout=600) as srv:
+        for index in (1, 2):
+            sample = essay_sample(srv.url, index)
+            mark = len(srv.log())
+            complete(srv.url, sample.prompt, n_predict=2)
+            log = srv.log()[mark:]
+            block = value_block(srv.url, sample.prompt, sample.expected[0], 128)
+            turn = [s for s in kvmem_log.selects(log) if s["reason"] == "turn"][-1]
+            lexical = {int(m[1]) for m in re.finditer(r"kvmem_trace: pick seq=0 block=(\d+) \S+ lexical=1", log)}
+            assert turn["method"] == "hybrid" and turn["lexical"] >= 1, turn
+            assert block in turn_resident(log), (index, block, turn_resident(log))
+            assert block in lexical, (index, block, lexical)
 
 
 def test_hybrid_adds_no_lexical_picks_for_a_question_without_rare_words(llama_server, smollm2) -> None:
