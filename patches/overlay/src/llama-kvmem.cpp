@@ -11,6 +11,7 @@
 #include "llama-memory-recurrent.h"
 
 #include <algorithm>
+#include <unordered_map>
 #include <climits>
 #include <cmath>
 #include <cstring>
@@ -205,12 +206,16 @@ void llama_kvmem_cache::fit_ubatch(const llama_batch_allocr & balloc, uint32_t &
     // the growth of each open block). Only a batch that does not fit whole is split finer, and never below one
     // token of room: prepare_ubatch() then says what holds the cells.
     const llama_batch & batch = balloc.get_batch();
+    const uint32_t n_free = get_size() - std::min(get_size(), v_cells[0].get_used());
+    if (n_free >= (uint32_t) batch.n_tokens) {
+        return; // the common case (every generation step): no need to look at the blocks
+    }
     std::set<llama_seq_id> in_batch;
     for (int32_t i = 0; i < batch.n_tokens; ++i) {
         in_batch.insert(batch.seq_id ? batch.seq_id[i][0] : 0);
     }
     const uint32_t B = kp.block;
-    uint64_t room = get_size() - std::min(get_size(), v_cells[0].get_used());
+    uint64_t room = n_free;
     for (const auto & [s, st] : seqs) {
         const bool mine = in_batch.count(s) > 0;
         const bool idle = !mine && !active(st);
@@ -661,7 +666,7 @@ void llama_kvmem_cache::query_rows(const seq_state & st, std::vector<float> & ro
 }
 
 std::vector<std::pair<float, int32_t>> llama_kvmem_cache::lexical_rank(const seq_state & st, const std::set<int32_t> & exclude) const {
-    std::map<llama_token, uint32_t> qidx; // the question's distinct tokens, each with its largest weight
+    std::unordered_map<llama_token, uint32_t> qidx; // the question's distinct tokens, each with its largest weight
     std::vector<float> qw;
     for (const auto & [t, w] : st.turn_tok) {
         const auto it = qidx.emplace(t, (uint32_t) qidx.size());
