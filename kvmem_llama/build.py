@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmem_llama import __version__, paths, webui
+from kvmem_llama import __version__, cpu_backend, paths, webui
 from kvmem_llama.engine import (
     INSTALLED_BINARIES,
     Engine,
@@ -160,6 +160,8 @@ def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, b
         # ON: embed the UI that kvmem_llama.webui built with npm and staged in the build dir
         f"-DLLAMA_BUILD_UI={'ON' if ui else 'OFF'}",
         "-DGGML_RPC=ON",
+        # portable: ggml picks the best CPU variant at load (no -march=native, no AMX: kvmem_llama/cpu_backend.py)
+        *cpu_backend.cmake_flags(),
         # binaries find their libraries next to them or in ../lib, wherever the engine lives
         "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN/../lib;$ORIGIN",
     ]
@@ -173,7 +175,6 @@ def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, b
             # all: q5_0/q8_0 KV with flash attention (the pin's name for FA_ALL_QUANTS); "default" keeps
             # upstream's smaller set (f16, bf16, q8_0, q4_0 pairs) and builds in about half the time
             *([] if fa_quants == "default" else [f"-DGGML_CUDA_FA_QUANTS={fa_quants}"]),
-            "-DGGML_NATIVE=OFF",  # CUDA engines are shipped to other hosts
         ]
         if toolchain.ccache:
             args.append(f"-DCMAKE_CUDA_COMPILER_LAUNCHER={toolchain.ccache}")
@@ -231,7 +232,10 @@ def _install(build: Path, src: Path, key: str, info: dict) -> Engine:
         for installed, built in INSTALLED_BINARIES.items():
             shutil.copy2(built_bin / built, staging / "bin" / installed)
         for lib in sorted(built_bin.glob("*.so*")):
-            shutil.copy2(lib, staging / "lib" / lib.name, follow_symlinks=False)  # keep .so symlinks
+            # backend modules next to the binaries, where ggml's loader looks; shared libraries in lib/
+            sub = "bin" if cpu_backend.is_backend_module(lib) else "lib"
+            shutil.copy2(lib, staging / sub / lib.name, follow_symlinks=False)  # keep .so symlinks
+        info["cpu_variants"] = sorted(cpu_backend.variant_modules(staging))
         for header in HEADERS:
             if (src / header).exists():
                 shutil.copy2(src / header, staging / "include" / Path(header).name)

@@ -25,7 +25,7 @@ def declared_prototypes() -> list[tuple[str, str, str]]:
     flat = " ".join(line for line in CDEF.splitlines() if not line.lstrip().startswith(("typedef", "//")))
     protos = []
     for statement in re.sub(r"\s+", " ", flat).split(";"):
-        match = re.fullmatch(r"\s*([A-Za-z_][\w ]*?[\w*]\s*\**)\s*\b(llama_\w+)\s*\(([^()]*)\)\s*", statement)
+        match = re.fullmatch(r"\s*([A-Za-z_][\w ]*?[\w*]\s*\**)\s*\b((?:llama|ggml)_\w+)\s*\(([^()]*)\)\s*", statement)
         if match:
             protos.append((match.group(1).strip(), match.group(2), match.group(3)))
     return protos
@@ -44,7 +44,7 @@ def test_structs_and_functions_match_the_built_header(cpu_engine: Engine, tmp_pa
     expected: list[str] = []
     # every declared function must exist in the library and have exactly the header's type
     prototypes = declared_prototypes()
-    assert len(prototypes) == len(re.findall(r"\bllama_\w+\s*\(", CDEF)) > 40
+    assert len(prototypes) == len(re.findall(r"\b(?:llama|ggml)_\w+\s*\(", CDEF)) > 40
     for ret, name, params in prototypes:
         getattr(lib, name)  # raises if the library does not export it
         lines.append(f"{ret} (*check_{name})({params}) = &{name};")
@@ -62,7 +62,7 @@ def test_structs_and_functions_match_the_built_header(cpu_engine: Engine, tmp_pa
     build = subprocess.run(
         [c_compiler(), "-std=c11", "-Werror=incompatible-pointer-types", "-Werror=int-conversion",
          "-Wno-deprecated-declarations", f"-I{cpu_engine.include_dir}", str(source), "-o", str(exe),
-         f"-L{cpu_engine.libllama.parent}", "-lllama", f"-Wl,-rpath,{cpu_engine.libllama.parent}"],
+         f"-L{cpu_engine.libllama.parent}", "-lllama", "-lggml", f"-Wl,-rpath,{cpu_engine.libllama.parent}"],
         capture_output=True, text=True,
     )
     assert build.returncode == 0, f"the cdef disagrees with the built llama.h:\n{build.stderr}"

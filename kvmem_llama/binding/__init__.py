@@ -56,6 +56,9 @@ def load_library(libllama: Path | str | None = None):
         _lib = ffi.dlopen(str(path))
         _lib_path = path
         _lib.llama_log_set(_on_log, ffi.NULL)
+        # the backend modules (CPU variants, CUDA) live next to the engine's binaries: ggml's own default
+        # search looks beside the executable, which is Python here
+        _lib.ggml_backend_load_all_from_path(str(path.parent.parent / "bin").encode())
         _lib.llama_backend_init()
         return _lib
 

@@ -142,6 +142,7 @@ struct llama_model_params llama_model_default_params(void);
 struct llama_context_params llama_context_default_params(void);
 struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
 
+void ggml_backend_load_all_from_path(const char * dir_path);
 void llama_backend_init(void);
 void llama_backend_free(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
