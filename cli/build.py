@@ -9,6 +9,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvmem_llama import cpu_backend
 from kvmem_llama.build import plan_build, run_build
 from kvmem_llama.cli.console import console, human_bytes
 from kvmem_llama.engine import Engine, engine_size, is_current, list_engines, lookup_engine, remove_engines
@@ -89,6 +90,8 @@ def _engine_row(engine: Engine) -> dict:
         "size": engine_size(engine),
         "path": str(engine.path),
         "ui": bool((engine.info.get("ui") or {}).get("embedded")),
+        "cpu_variants": engine.info.get("cpu_variants", []),
+        "cpu_variant": cpu_backend.choose_variant(engine.path).chosen,  # the one ggml loads on this machine
     }
 
 
@@ -107,12 +110,13 @@ def engines(ctx: click.Context, as_json: bool) -> None:
         console.print("no engines yet: run [bold]kvmem build[/]")
         return
     table = Table(title="engines")
-    for column in ("key", "target", "SMs", "upstream", "series", "built", "build s", "size"):
+    for column in ("key", "target", "SMs", "CPU variant here", "upstream", "series", "built", "build s", "size"):
         table.add_column(column)
     for row in rows:
         mark = " [dim](upstream baseline)[/]" if row["upstream_only"] else (
             "" if row["current"] else " [yellow](old series)[/]")
-        table.add_row(row["key"] + mark, row["target"], row["sms"], row["upstream"], row["series"],
+        cpu = row["cpu_variant"] or ("-" if row["cpu_variants"] else "built in (not portable)")
+        table.add_row(row["key"] + mark, row["target"], row["sms"], cpu, row["upstream"], row["series"],
                       row["built_at"], f"{row['build_seconds'] or 0:.0f}", human_bytes(row["size"]))
     console.print(table)
 

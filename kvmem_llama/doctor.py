@@ -1,7 +1,8 @@
 """`kvmem doctor`: the checks that explain most failed launches, each with its fix.
 
 Order matters: the first three (GPU architecture vs engine, model format, checksum) explain
-most reports; then paths, host RAM, port and driver.
+most reports; the CPU variant ggml loads is reported next to the architecture; then paths, host RAM,
+port and driver.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvmem_llama import hardware, models, planner
+from kvmem_llama import cpu_backend, hardware, models, planner
 from kvmem_llama.engine import Engine, select_engine
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.files import sha256_file
@@ -67,6 +68,22 @@ def engine_reads(engine: Engine, path: Path | str, timeout: float = 120) -> tupl
     return False, (errors[0] if errors else (lines[-1] if lines else f"exit code {out.returncode}")).strip()
 
 
+def cpu_check(engine: Engine) -> Check:
+    """Which CPU variant the engine runs on this machine, and that none of its libraries has the AMX matmul."""
+    choice = cpu_backend.choose_variant(engine.path)
+    facts = {"cpu_variant": choice.chosen, "cpu_variant_scores": choice.scores}
+    amx = cpu_backend.modules_with_amx(engine.path)
+    if amx:
+        return Check("cpu", "fail", f"{choice.describe()}; {', '.join(p.name for p in amx)} contains ggml's AMX "
+                     "matmul, which crashes on Sapphire-Rapids-class CPUs", "rebuild the engine: `kvmem build`",
+                     facts=facts)
+    if choice.error or (choice.scores and choice.chosen is None):
+        return Check("cpu", "fail", choice.describe(), "rebuild the engine here: `kvmem build`", facts=facts)
+    if not choice.scores:
+        return Check("cpu", "warn", choice.describe(), "`kvmem build` makes a portable engine", facts=facts)
+    return Check("cpu", "ok", choice.describe() + ", no AMX", facts=facts)
+
+
 def model_facts(info: ModelInfo) -> dict[str, Any]:
     """The model's shape as the planner and `kvmem inspect` see it (one ModelInfo for all three)."""
     return {"arch": info.arch, "n_layers": info.n_layers, "n_attention_layers": info.n_attention_layers,
@@ -96,6 +113,10 @@ def run_checks(model: str | None = None, *, port: int = DEFAULT_PORT, ctx: int |
             checks.append(Check("architecture", "ok", f"{where}: CPU engine {chosen.key}"))
     except KvmemError as exc:
         checks.append(Check("architecture", "fail", str(exc), exc.hint))
+
+    # the CPU backend variant ggml loads here (CPU engines, and the layers a CUDA engine leaves on the CPU)
+    if chosen is not None:
+        checks.append(cpu_check(chosen))
 
     # 2. format: a GGUF this engine reads
     resolved = None
