@@ -42,10 +42,10 @@ setup(
         "psutil>=5.9",
         "gguf>=0.10",
         "numpy>=1.24",
-        "huggingface_hub>=0.23",
-        "nvidia-ml-py>=12",
     ],
     extras_require={
+        # NVML (pynvml) for GPU detection: without it kvmem sees no GPU and says why (`kvmem doctor`)
+        "gpu": ["nvidia-ml-py>=12"],
         # the PNGs of `kvmem bench report` / `kvmem eval report` (skipped with a hint without it)
         "plots": PLOTS,
         # pexpect drives `kvmem chat` through a pseudo-terminal, selenium the web UI in Chromium;

@@ -1,7 +1,8 @@
-"""What this machine has: NVIDIA GPUs through NVML (nvidia-ml-py), host RAM through psutil.
+"""What this machine has: NVIDIA GPUs through NVML (nvidia-ml-py, the optional `gpu` extra), host RAM
+through psutil.
 
-Detection never raises: no driver, no NVML library or no GPU all mean "no GPU", with the
-reason kept in `Hardware.nvml_error` so `kvmem doctor` can show it.
+Detection never raises: no nvidia-ml-py, no driver, no NVML library or no GPU all mean "no GPU", with
+the reason kept in `Hardware.nvml_error` so `kvmem doctor` can show it.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def detect_gpus() -> tuple[list[GPU], str | None, str | None, str | None]:
     try:
         nv = _nvml()
     except ImportError:
-        return [], None, None, "nvidia-ml-py is not installed"
+        return [], None, None, "nvidia-ml-py is not installed (pip install 'kvmem-llama[gpu]')"
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
         return [], None, None, f"NVML unavailable: {exc}"
     try:

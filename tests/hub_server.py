@@ -1,6 +1,6 @@
 """A fake Hugging Face hub on 127.0.0.1: a real HTTP/1.1 server thread for tests and benchmarks.
 
-Implements the subset kvmem (and huggingface_hub's hf_hub_download) use:
+Implements the subset kvmem uses (and HEAD, answered as the real hub answers it):
     GET  /api/models/OWNER/NAME[/revision/REV]   model info; siblings with size + lfs.sha256
     HEAD /OWNER/NAME/resolve/REV/PATH            X-Repo-Commit, X-Linked-Etag, X-Linked-Size
     GET  /OWNER/NAME/resolve/REV/PATH            the body, honouring Range (206 + Content-Range)
@@ -308,7 +308,7 @@ def make_gguf(path: Path, n_bytes: int = 4 << 20, arch: str = "llama", seed: int
 
 
 def isolate_env(monkeypatch, tmp_path: Path, hub: FakeHub | None = None) -> Path:
-    """Point kvmem and huggingface_hub at temp dirs (and the fake hub); keep the shared shipped-model cache."""
+    """Point kvmem and its HF cache lookups at temp dirs (and the fake hub); keep the shared shipped-model cache."""
     from kvmem_llama import paths
 
     shipped_cache = paths.cache_dir()

@@ -24,7 +24,7 @@ from test_scale_rpc import rpc_server
 from kvmem_llama import hardware, kvmem_log, planner
 from kvmem_llama.engine import Engine, build_sm_flag, check_engine_for_gpu, list_engines, select_engine
 from kvmem_llama.errors import KvmemError
-from kvmem_llama.serving import argv, launch, process, registry
+from kvmem_llama.serving import argv, launch, readiness, registry
 from kvmem_llama.serving.process import ServerFailed
 from kvmem_llama.shipped import shipped_model_path
 
@@ -80,15 +80,15 @@ def test_kvmem_log_parses_follow_draft_and_the_select_extras() -> None:
 
 
 def test_self_test_check_on_log_text() -> None:
-    prompt, code = process.self_test_prompt(2048, seed=1)
+    prompt, code = readiness.self_test_prompt(2048, seed=1)
     assert f"vault code is {code}" in prompt and len(prompt.split()) > 2048  # longer than the budget
-    ok, why = process.check_self_test(f"The code is {code}.", code, f"{ARMED}\n{SELECT}")
+    ok, why = readiness.check_self_test(f"The code is {code}.", code, f"{ARMED}\n{SELECT}")
     assert ok and "n_blocks=96" in why
-    ok, why = process.check_self_test(f"{code}", code, ARMED)
+    ok, why = readiness.check_self_test(f"{code}", code, ARMED)
     assert not ok and "SELECT" in why
-    ok, why = process.check_self_test("1234", code if code != "1234" else "4321", SELECT)
+    ok, why = readiness.check_self_test("1234", code if code != "1234" else "4321", SELECT)
     assert not ok and "does not contain the needle" in why
-    ok, why = process.check_self_test(code, code, "kvmem_score: DISABLED (model has no attention layers)")
+    ok, why = readiness.check_self_test(code, code, "kvmem_score: DISABLED (model has no attention layers)")
     assert not ok and "turned tiering off" in why
 
 
@@ -101,6 +101,15 @@ def test_merge_args_user_flags_win() -> None:
                       "--ctx-size=4096", "--temperature", "0.1", "--parallel", "2", "--some-new-flag", "-5"]
     assert argv.user_flags(["-a", "x,y", "--port", "9000", "--strict-model-id"]) == {
         "-a": "x,y", "--port": "9000", "--strict-model-id": None}
+
+
+def test_scan_flags_reads_every_spelling_once() -> None:
+    args = ["-np", "4", "--ctx-size=8192", "--strict-model-id", "x", "--api-key", "-k3y", "--temp", "-0.5", "-c"]
+    assert [(use.flag, use.value) for use in argv.scan_flags(args)] == [
+        ("--parallel", "4"), ("-c", "8192"), ("--strict-model-id", None),  # a switch takes no value
+        ("--api-key", "-k3y"), ("-k3y", None),  # a key may begin with "-", as llama-server reads it
+        ("--temp", "-0.5"), ("-c", None)]  # a negative number is a value; nothing after the last flag
+    assert argv.api_key_from(args, env={}) == "-k3y" and argv.slot_context(8192, args) == 2048
 
 
 def test_profile_args_tiering_paths(cpu_engine: Engine) -> None:

@@ -216,13 +216,25 @@ def test_killed_download_resumes_without_refetching(env, hub, blob, sig):
     assert rec and Path(rec.path).read_bytes() == blob
 
 
-def test_hf_cache_discovery_uses_the_file_in_place(env, hub, blob, tmp_path, monkeypatch):
-    from huggingface_hub import hf_hub_download, scan_cache_dir
+def _hf_cache_file(cache: Path, repo: str, filename: str, data: bytes, commit: str) -> Path:
+    """Lay out one file as huggingface_hub's downloads do: the blob named after its sha256 in blobs/, a
+    relative symlink to it in snapshots/COMMIT/, refs/main holding the commit. Returns the snapshot path."""
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    blob_path = repo_dir / "blobs" / _sha(data)
+    blob_path.parent.mkdir(parents=True)
+    blob_path.write_bytes(data)
+    snapshot = repo_dir / "snapshots" / commit / filename
+    snapshot.parent.mkdir(parents=True)
+    snapshot.symlink_to(os.path.relpath(blob_path, snapshot.parent))
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)  # no newline, as the hub client writes it
+    return snapshot
 
+
+def test_hf_cache_discovery_uses_the_file_in_place(env, hub, blob, tmp_path, monkeypatch):
     cache = Path(os.environ["HF_HUB_CACHE"])
-    got = hf_hub_download(REPO, FILE, cache_dir=str(cache), endpoint=hub.url)
+    got = _hf_cache_file(cache, REPO, FILE, blob, hub.commits[REPO])
     assert Path(got).read_bytes() == blob
-    assert scan_cache_dir(cache).repos  # laid out as huggingface_hub lays it out
     hub.reset_stats()
     rec = models.pull_model(NAME)
     assert rec.in_place and rec.source["kind"] == "hf-cache"

@@ -42,6 +42,14 @@ def qwen27b() -> ModelInfo:
     return model_info(GGUFHeader(Path("qwen27b.gguf"), 3, QWEN27B_WEIGHTS, QWEN27B_META, [trunk, mtp], 0))
 
 
+def test_without_nvidia_ml_py_there_is_no_gpu_and_the_reason_says_so(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` fails, as without the gpu extra
+    found = hardware.detect()
+    assert not found.has_gpu and found.driver is None and found.ram_total > 0
+    assert "nvidia-ml-py is not installed" in (found.nvml_error or "") and "kvmem-llama[gpu]" in found.nvml_error
+    assert hardware.process_vram([1]) == {}
+
+
 def test_parse_size() -> None:
     assert hardware.parse_size("16G") == 16 * GiB
     assert hardware.parse_size("16GiB") == 16 * GiB

@@ -30,7 +30,7 @@ from kvmem_llama.engine import Engine
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.models import store
 from kvmem_llama.models.download import partial_paths, read_state
-from kvmem_llama.serving import process, registry
+from kvmem_llama.serving import argv, process, readiness, registry
 from kvmem_llama.serving.process import ServerFailed
 
 REPO = "test-org/Smol-GGUF"
@@ -502,19 +502,19 @@ def test_wording_api_key_sources_and_slot_context(tmp_path: Path) -> None:
     assert process.describe_exit(1) == "crashed (exit code 1)"
     assert process.describe_exit(0) == "exited (code 0)" and "unknown" in process.describe_exit(None)
     assert process.describe_stop("forced").startswith("stopped with a second SIGTERM")
-    assert process.api_key_from(["--api-key", "a,b"], env={}) == "a"
-    assert process.api_key_from(["--api-key=z"], env={}) == "z"
+    assert argv.api_key_from(["--api-key", "a,b"], env={}) == "a"
+    assert argv.api_key_from(["--api-key=z"], env={}) == "z"
     keys = tmp_path / "keys"
     keys.write_text("# comment\n\nk1\nk2\n")
-    assert process.api_key_from(["--api-key-file", str(keys)], env={}) == "k1"
-    assert process.api_key_from([], env={"LLAMA_API_KEY": "e"}) == "e"
-    assert process.api_key_from([], env={}) is None
-    assert process.exposure_warning("127.0.0.1", 1, None) is None and process.exposure_warning("::", 1, "k") is None
-    assert "192.168.1.5" in (process.exposure_warning("192.168.1.5", 8080, None) or "")
-    assert process.slot_context(32768, ["-np", "4", "--kv-unified"], 8192) == 8192
-    assert process.slot_context(16384, ["--parallel=4"], 8192) == 4096
-    assert process.slot_context(16384, ["-np", "1"], 8192) == 16384  # one slot: capping is refused, not hidden
-    assert process.slot_context(2048, [], 8192) == 2048
+    assert argv.api_key_from(["--api-key-file", str(keys)], env={}) == "k1"
+    assert argv.api_key_from([], env={"LLAMA_API_KEY": "e"}) == "e"
+    assert argv.api_key_from([], env={}) is None
+    assert readiness.exposure_warning("127.0.0.1", 1, None) is None and readiness.exposure_warning("::", 1, "k") is None
+    assert "192.168.1.5" in (readiness.exposure_warning("192.168.1.5", 8080, None) or "")
+    assert argv.slot_context(32768, ["-np", "4", "--kv-unified"], 8192) == 8192
+    assert argv.slot_context(16384, ["--parallel=4"], 8192) == 4096
+    assert argv.slot_context(16384, ["-np", "1"], 8192) == 16384  # one slot: capping is refused, not hidden
+    assert argv.slot_context(2048, [], 8192) == 2048
 
 
 def test_a_lock_left_by_a_finished_pull_does_not_block_the_next(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.models import resolve_model
 from kvmem_llama.models.gguf_info import model_info
+from kvmem_llama.serving import argv
 from kvmem_llama.serving.launch import ServerHandle, start_server
 from kvmem_llama.serving.process import ServerFailed
 
@@ -210,7 +211,8 @@ def engine_refusal(log: str) -> KvmemError | None:
 
 
 def _has_flag(args: list[str], *names: str) -> bool:
-    return any(a in names or a.split("=", 1)[0] in names for a in args)
+    keys = {argv.flag_key(name) for name in names}
+    return any(use.flag in keys for use in argv.scan_flags(args))
 
 
 def eval_args(config: Config, length: int, extra_args: list[str] | None = None) -> list[str]:

@@ -9,7 +9,6 @@ through that check. The content hash is the LFS sha256 from the API, never an ET
 from __future__ import annotations
 
 import fnmatch
-import ipaddress
 import os
 import re
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import httpx
 from kvmem_llama import __version__
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.models.catalog import SHA256_RE, validate_repo_file
+from kvmem_llama.net import is_loopback
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
@@ -48,15 +48,6 @@ def token() -> str | None:
     except OSError:
         return None
     return text or None
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", "localhost.localdomain"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_url(url: httpx.URL | str, insecure: bool = False) -> None:

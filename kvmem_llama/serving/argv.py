@@ -1,8 +1,11 @@
-"""llama-server argv: the flag groups kvmem sets, merging layers (plan < sampling profile < user
-flags), the sampling profiles, whether tiering is on, and what an engine's `--help` offers.
+"""llama-server argv: the one scanner of its flags and values (scan_flags), the flag groups kvmem
+sets, merging layers (plan < sampling profile < user flags), the sampling profiles, whether tiering
+is on, what an argv asks for (API key, download flags, the context of one request), and what an
+engine's `--help` offers.
 
 A user flag replaces every spelling of the same flag that an earlier layer set (`--ctx-size=4096`
-replaces `-c 8192`); flags kvmem does not know pass through untouched.
+replaces `-c 8192`); flags kvmem does not know pass through untouched. Every reading of an argv
+goes through scan_flags, so `-np 4`, `--parallel=4` and a switch mean the same everywhere.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import functools
 import os
 import re
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
 
 from kvmem_llama import planner
 from kvmem_llama.engine import Engine
@@ -34,6 +39,7 @@ FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
 )
 SWITCHES = {"--strict-model-id"}  # flags of ours that take no value
 _GROUP_OF = {flag: group[0] for group in FLAG_GROUPS for flag in group}
+_GROUP_KEYS = {group[0] for group in FLAG_GROUPS}
 
 
 # llama-server flags (and env twins) that download a model themselves, always over HTTPS: the engine
@@ -46,15 +52,57 @@ DOWNLOAD_FLAGS: dict[str, str] = {
 }
 URL_FLAGS: dict[str, str] = {"-mu": "LLAMA_ARG_MODEL_URL", "--model-url": "LLAMA_ARG_MODEL_URL",
                              "-mmu": "LLAMA_ARG_MMPROJ_URL", "--mmproj-url": "LLAMA_ARG_MMPROJ_URL"}
+# Flags whose value is the next argument whatever it looks like, as llama-server reads it: an API key may
+# begin with "-", and a refusal quotes what would have been downloaded.
+_ANY_VALUE = {"--api-key", "--api-key-file", *DOWNLOAD_FLAGS, *URL_FLAGS}
+
+
+class FlagUse(NamedTuple):
+    """One flag of an argv: its key (flag_key), its value (None: a switch, or none given), its tokens."""
+
+    flag: str
+    value: str | None
+    start: int  # index of the flag's token
+    stop: int  # one past its last token: start + 2 when the value is the next token
+
+
+def flag_key(arg: str) -> str | None:
+    """The key of a command-line token: its group (`--ctx-size=4096` -> `-c`), its long spelling
+    (`-np` -> `--parallel`), else its name; None for non-flags (values, negative numbers)."""
+    if not arg.startswith("-") or arg[1:2].isdigit():
+        return None
+    name = arg.split("=", 1)[0]
+    return _GROUP_OF.get(name) or _SPELLINGS.get(name, name)
+
+
+def scan_flags(args: Sequence[str]) -> Iterator[FlagUse]:
+    """Every flag of a llama-server argv with its value: `--flag=value`, `--flag value` (the next token,
+    when it is not itself a flag), None for a switch (SWITCHES) or a flag with no value after it.
+
+    kvmem does not know the arity of every llama-server flag, so a flag of unknown arity takes a following
+    non-flag token as its value; a flag of _ANY_VALUE takes the next token even when it looks like a flag,
+    and that token is then scanned as a flag too (the readers of those flags never look at other flags).
+    """
+    items = list(args)
+    for i, arg in enumerate(items):
+        key = flag_key(arg)
+        if key is None:
+            continue
+        _, eq, inline = arg.partition("=")
+        nxt = items[i + 1] if i + 1 < len(items) else None
+        if eq:
+            yield FlagUse(key, inline, i, i + 1)
+        elif key in SWITCHES or nxt is None or (key not in _ANY_VALUE and flag_key(nxt) is not None):
+            yield FlagUse(key, None, i, i + 1)
+        else:
+            yield FlagUse(key, nxt, i, i + 2)
 
 
 def refuse_download_flags(args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
     """Stop before the engine starts when llama-server would have to download over HTTPS (-hf, ...)."""
     env = os.environ if env is None else env
-    items = list(args)
-    for i, arg in enumerate(items):
-        flag, eq, inline = arg.partition("=")
-        value = inline if eq else (items[i + 1] if i + 1 < len(items) else "")
+    for use in scan_flags(args):
+        flag, value = use.flag, use.value or ""
         if flag in DOWNLOAD_FLAGS or (flag in URL_FLAGS and value.lower().startswith("https:")):
             _refuse(flag, value)
     for flag, var in {**DOWNLOAD_FLAGS, **URL_FLAGS}.items():
@@ -69,6 +117,49 @@ def _refuse(what: str, value: str) -> None:
                      "without (no OpenSSL)",
                      hint=f"kvmem pull {repo}:FILE.gguf (or an alias from `kvmem search`), then "
                           f"`kvmem run {repo}:FILE.gguf` or `kvmem serve -m PATH`")
+
+
+def api_key_from(args: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
+    """The (first) API key a llama-server started with `args` asks for: --api-key K1,K2 or --api-key-file
+    (one key a line, # comments), else their env twins LLAMA_API_KEY / LLAMA_ARG_API_KEY_FILE."""
+    env = os.environ if env is None else env
+    key = key_file = None
+    for use in scan_flags(args):
+        if use.flag == "--api-key":
+            key = use.value or ""
+        elif use.flag == "--api-key-file":
+            key_file = use.value or ""
+    if key is None and key_file is None:
+        key, key_file = env.get("LLAMA_API_KEY"), env.get("LLAMA_ARG_API_KEY_FILE")
+    if key:
+        return key.split(",")[0].strip() or None
+    if key_file:
+        try:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+        except OSError:
+            return None
+        return next((line.strip() for line in lines if line.strip() and not line.startswith("#")), None)
+    return None
+
+
+def slot_context(ctx: int, args: Sequence[str], n_ctx_train: int | None = None) -> int:
+    """The context of one request (what /v1/models reports as n_ctx) of llama-server -c `ctx` with `args`:
+    -np N (N > 1) splits it N ways unless the KV cache is unified (--kv-unified), and caps each slot at the
+    model's training context. One slot, or -np auto (4 unified slots), keeps `ctx`: a context beyond the
+    training one, which llama-server caps, is then refused by the readiness check, not served silently."""
+    slots, unified = -1, None
+    for use in scan_flags(args):
+        if use.flag == "--parallel":  # -np too (flag_key)
+            value = use.value or ""
+            slots = int(value) if value.lstrip("-").isdigit() else slots
+        elif use.flag in ("--kv-unified", "-kvu"):
+            unified = True
+        elif use.flag in ("--no-kv-unified", "-no-kvu"):
+            unified = False
+    if slots <= 1:
+        return ctx
+    share = ctx if unified else ctx // slots
+    return min(share, n_ctx_train) if n_ctx_train else share
 
 
 def engine_help(engine: Engine) -> str:
@@ -89,30 +180,9 @@ def supports(help_text: str, flag: str) -> bool:
     return re.search(rf"(^|[\s,]){re.escape(flag)}(?=[\s,=]|$)", help_text, re.MULTILINE) is not None
 
 
-def flag_key(arg: str) -> str | None:
-    """The group a command-line token belongs to (`--ctx-size=4096` -> `-c`), or None for non-flags."""
-    if not arg.startswith("-") or arg[1:2].isdigit():
-        return None
-    name = arg.split("=", 1)[0]
-    return _GROUP_OF.get(name, name)
-
-
 def user_flags(args: Sequence[str]) -> dict[str, str | None]:
-    """{group key: value} of the flags kvmem sets itself, found in a user's llama-server arguments."""
-    found: dict[str, str | None] = {}
-    items = list(args)
-    for i, arg in enumerate(items):
-        key = flag_key(arg)
-        if key is None or key not in {g[0] for g in FLAG_GROUPS}:
-            continue
-        if "=" in arg:
-            found[key] = arg.split("=", 1)[1]
-        elif key in SWITCHES:
-            found[key] = None
-        else:
-            nxt = items[i + 1] if i + 1 < len(items) else None
-            found[key] = nxt if nxt is not None and flag_key(nxt) is None else None
-    return found
+    """{group key: value} of the flags kvmem sets itself, found in a user's llama-server arguments (the last wins)."""
+    return {use.flag: use.value for use in scan_flags(args) if use.flag in _GROUP_KEYS}
 
 
 def merge_args(*layers: Sequence[str]) -> list[str]:
@@ -124,19 +194,8 @@ def merge_args(*layers: Sequence[str]) -> list[str]:
     for layer in layers:
         overridden = set(user_flags(layer))
         if overridden:
-            kept: list[str] = []
-            skip_value = False
-            for arg in out:
-                if skip_value:
-                    skip_value = False
-                    if flag_key(arg) is None:
-                        continue
-                key = flag_key(arg)
-                if key in overridden:
-                    skip_value = "=" not in arg and key not in SWITCHES
-                    continue
-                kept.append(arg)
-            out = kept
+            dropped = {i for use in scan_flags(out) if use.flag in overridden for i in range(use.start, use.stop)}
+            out = [arg for i, arg in enumerate(out) if i not in dropped]
         out.extend(layer)
     return out
 
@@ -174,17 +233,6 @@ KVMEM_DEFAULTS = {"--kvmem-block": 128, "--kvmem-sink": 128, "--kvmem-recent": 2
 _SPELLINGS = {"-np": "--parallel"}
 
 
-def _last_values(args: Sequence[str]) -> dict[str, str]:
-    values: dict[str, str] = {}
-    items = list(args)
-    for i, arg in enumerate(items):
-        flag, eq, inline = arg.partition("=")
-        flag = _SPELLINGS.get(flag, flag)
-        if flag in KVMEM_DEFAULTS or flag in ("--parallel", "--kvmem-budget"):
-            values[flag] = inline if eq else (items[i + 1] if i + 1 < len(items) else "")
-    return values
-
-
 def slots_at_once(budget: int, n_parallel: int, block: int, sink: int, recent: int, gen_reserve: int) -> int:
     """How many slots the tiered working set serves at once: the engine's llama_kvmem_max_active().
 
@@ -201,7 +249,7 @@ def parallel_tiering_warning(args: Sequence[str], budget: int) -> str | None:
     """A warning when the tiered working set cannot serve all -np N slots at once: the server then lets only
     some slots work and further requests wait (the engine's admission rule, slots_at_once). None when all
     fit, or with one slot."""
-    values = _last_values(args)
+    values = {use.flag: use.value or "" for use in scan_flags(args)}  # the last of each flag wins
     try:
         n = int(values.get("--parallel", "-1"))
         sizes = {flag: int(values.get(flag, default)) for flag, default in KVMEM_DEFAULTS.items()}

@@ -23,7 +23,7 @@ from kvmem_llama.engine import Engine, select_engine
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.models import ResolvedModel, resolve_model
 from kvmem_llama.models.gguf_info import model_info
-from kvmem_llama.serving import argv, process, registry
+from kvmem_llama.serving import argv, readiness, registry
 from kvmem_llama.serving.process import LOOPBACK, ServerProcess, free_port, port_in_use
 
 DEFAULT_HOST = LOOPBACK
@@ -98,7 +98,7 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
     notes += why
     host = str(given.get("--host") or host)
     port_num = pick_port(host, given.get("--port") or port)
-    exposed = process.exposure_warning(host, port_num, process.api_key_from(user))
+    exposed = readiness.exposure_warning(host, port_num, argv.api_key_from(user))
     if exposed:
         notes.append(exposed)
     model_id = (given.get("-a") or resolved.alias or registry.slug(resolved.path.stem)).split(",")[0].strip()

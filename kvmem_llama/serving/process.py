@@ -1,6 +1,6 @@
-"""The one place that starts and stops llama-server: a process with its log file, readiness that
-means "answers correctly", the tiering self-test, stop (SIGTERM, a second SIGTERM, then SIGKILL), the
-API key of a server started with --api-key, and the log's tail. A detached server runs under a small
+"""The one place that starts and stops llama-server: a process with its log file, waiting until it
+answers correctly (/health, /v1/models, the tiering self-test), stop (SIGTERM, a second SIGTERM, then
+SIGKILL), the log's tail and following it, and how a server ended. A detached server runs under a small
 monitor process (serving.monitor) that records its exit status for `kvmem ps`.
 
 `kvmem run` (through serving.launch), `kvmem bench`, `kvmem eval`, the tests and the GPU checks all
@@ -9,15 +9,16 @@ start their servers here:
     with start_llama_server(engine.server, model, ["-c", "4096"], log_path) as srv:
         httpx.post(srv.url + "/completion", json={"prompt": "Hello", "n_predict": 8})
 
-One module (~550 lines) because it is the single owner of the process lifecycle: splitting spawn,
-readiness and stop apart would let callers start a server without the stop and log rules again.
+One module because it is the single owner of the process lifecycle: splitting spawn, waiting and stop
+apart would let callers start a server without the stop and log rules again. What does not need the
+process lives beside it: what an argv asks for (its API key, the context of one request) in serving.argv,
+the self-test's prompt and verdict and the exposure warning in serving.readiness.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import re
 import select
 import signal
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -36,6 +37,8 @@ import psutil
 
 from kvmem_llama import kvmem_log
 from kvmem_llama.errors import KvmemError
+from kvmem_llama.serving.argv import api_key_from, slot_context
+from kvmem_llama.serving.readiness import check_self_test, self_test_prompt
 
 LOOPBACK = "127.0.0.1"
 STOP_TIMEOUT = 15.0  # seconds between SIGTERM and SIGKILL
@@ -198,108 +201,6 @@ def describe_exit(code: int | None) -> str:
         return "exited (code 0)"
     name = signal_name(code)
     return f"crashed (exit code {code}, {name})" if name else f"crashed (exit code {code})"
-
-
-def slot_context(ctx: int, args: Sequence[str], n_ctx_train: int | None = None) -> int:
-    """The context of one request (what /v1/models reports as n_ctx) of llama-server -c `ctx` with `args`:
-    -np N (N > 1) splits it N ways unless the KV cache is unified (--kv-unified), and caps each slot at the
-    model's training context. One slot, or -np auto (4 unified slots), keeps `ctx`: a context beyond the
-    training one, which llama-server caps, is then refused by the readiness check, not served silently."""
-    slots, unified = -1, None
-    items = list(args)
-    for i, arg in enumerate(items):
-        flag, eq, inline = arg.partition("=")
-        if flag in ("-np", "--parallel"):
-            value = inline if eq else (items[i + 1] if i + 1 < len(items) else "")
-            slots = int(value) if value.lstrip("-").isdigit() else slots
-        elif flag in ("--kv-unified", "-kvu"):
-            unified = True
-        elif flag in ("--no-kv-unified", "-no-kvu"):
-            unified = False
-    if slots <= 1:
-        return ctx
-    share = ctx if unified else ctx // slots
-    return min(share, n_ctx_train) if n_ctx_train else share
-
-
-# --- API keys and exposure ---
-
-
-def api_key_from(args: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
-    """The (first) API key a llama-server started with `args` asks for: --api-key K1,K2 or --api-key-file
-    (one key a line, # comments), else their env twins LLAMA_API_KEY / LLAMA_ARG_API_KEY_FILE."""
-    env = os.environ if env is None else env
-    items = list(args)
-    key = key_file = None
-    for i, arg in enumerate(items):
-        flag, eq, inline = arg.partition("=")
-        if flag in ("--api-key", "--api-key-file"):
-            value = inline if eq else (items[i + 1] if i + 1 < len(items) else "")
-            if flag == "--api-key":
-                key = value
-            else:
-                key_file = value
-    if key is None and key_file is None:
-        key, key_file = env.get("LLAMA_API_KEY"), env.get("LLAMA_ARG_API_KEY_FILE")
-    if key:
-        return key.split(",")[0].strip() or None
-    if key_file:
-        try:
-            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
-        except OSError:
-            return None
-        return next((line.strip() for line in lines if line.strip() and not line.startswith("#")), None)
-    return None
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.") or host.endswith(".sock")
-
-
-def exposure_warning(host: str, port: int, api_key: str | None) -> str | None:
-    """The warning for a server that listens beyond loopback without an API key (None otherwise)."""
-    if api_key or is_loopback(host):
-        return None
-    where = "every network interface" if host in ("0.0.0.0", "::", "") else host
-    return (f"--host {host} listens on {where} and no --api-key is set: anyone who can reach port {port} can use "
-            "the API unauthenticated (completions, /slots, /metrics); pass --api-key KEY (clients send "
-            "'Authorization: Bearer KEY') or keep --host 127.0.0.1")
-
-
-# --- the tiering self-test ---
-
-NEEDLE_FILLER = (
-    "The archive room held shelves of ledgers about grain, weather and river tolls.",
-    "Clerks copied each entry twice so that a flood could never erase the record.",
-    "Visitors signed a book at the door and left their lanterns on a stone bench.",
-    "Every autumn the council audited the tolls and argued about the bridge repairs.",
-)
-
-
-def self_test_prompt(budget: int, seed: int | None = None) -> tuple[str, str]:
-    """(prompt, expected answer): a needle in filler about 1.5x the budget in tokens (~16 tokens a sentence)."""
-    rng = random.Random(seed)
-    code = str(rng.randint(1000, 9999))
-    sentences = max(8, int(budget * 1.5 / 16))
-    lines = [NEEDLE_FILLER[i % len(NEEDLE_FILLER)] for i in range(sentences)]
-    lines.insert(max(1, sentences // 4), f"Remember this: the vault code is {code}.")
-    question = "\n\nQuestion: what is the vault code? Answer with the four digits only."
-    return " ".join(lines) + question, code
-
-
-def check_self_test(answer: str, expected: str, log_text: str) -> tuple[bool, str]:
-    """Did the needle come back, and did the engine log a retrieval (SELECT with scored blocks)?"""
-    picks = kvmem_log.selects(log_text)
-    state = kvmem_log.tiering_state(log_text)
-    if state.startswith("disabled"):
-        return False, f"the engine turned tiering off ({state.split(': ', 1)[1]})"
-    if not picks:
-        return False, "no `kvmem_score: SELECT` line appeared in the log for the self-test prompt"
-    if expected not in answer:
-        return False, f"the self-test answer {answer.strip()[:80]!r} does not contain the needle {expected}"
-    last = picks[-1]
-    return True, (f"needle found; SELECT n_blocks={last['n_blocks']} budget_blocks={last['budget_blocks']} "
-                  f"staged_in={last['staged_in']} ms={last['ms']:g}")
 
 
 # --- the process ---
