@@ -55,6 +55,9 @@ job() {
   cd /tmp/repo
   export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/whl PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
   export KVMEM_HOME=/tmp/kvhome
+  # the README says `pip`: make it this python3's pip, and its scripts (kvmem) found
+  mkdir -p /tmp/shim && printf '#!/bin/sh\nexec python3 -m pip "$@"\n' > /tmp/shim/pip && chmod +x /tmp/shim/pip
+  export PATH="/tmp/shim:$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
   { lscpu | grep -E 'Model name|^CPU\(s\)'; echo "amx flags: $(grep -o -w -E 'amx_[a-z0-9]+' /proc/cpuinfo | sort | uniq -c | tr '\n' ' ')";
     nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader; python3 --version; } > "$STATE/host.txt" 2>&1
   step install python3 -m pip install -e .
