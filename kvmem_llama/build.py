@@ -43,6 +43,7 @@ HEADERS = ("include/llama.h", "ggml/include/ggml.h", "ggml/include/ggml-backend.
            "ggml/include/ggml-alloc.h", "ggml/include/ggml-cpu.h", "ggml/include/ggml-opt.h",
            "ggml/include/gguf.h")
 TREE_MARKER = ".kvmem-tree.json"
+PRIVATE_CXX_RUNTIME = "-Wl,--exclude-libs,libstdc++.a:libsupc++.a"
 PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 
 
@@ -162,6 +163,10 @@ def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, b
         "-DGGML_RPC=ON",
         # portable: ggml picks the best CPU variant at load (no -march=native, no AMX: kvmem_llama/cpu_backend.py)
         *cpu_backend.cmake_flags(),
+        # a toolchain that links the C++ runtime statically (seen: CXX=/opt/gcc/bin/g++ on the GPU host) must not
+        # export it from our libraries: in a process that already has libstdc++.so (Python after `import numpy`)
+        # the two would mix and std::regex crashed at model load. No effect where libstdc++ is a shared library.
+        f"-DCMAKE_SHARED_LINKER_FLAGS={PRIVATE_CXX_RUNTIME}", f"-DCMAKE_MODULE_LINKER_FLAGS={PRIVATE_CXX_RUNTIME}",
         # binaries find their libraries next to them or in ../lib, wherever the engine lives
         "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN/../lib;$ORIGIN",
     ]
