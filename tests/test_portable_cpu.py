@@ -91,3 +91,18 @@ def test_engines_json_names_the_variant(cpu_engine: Engine) -> None:
     row = next(r for r in json.loads(out.stdout) if r["key"] == cpu_engine.key)
     assert row["cpu_variant"] == cpu_backend.choose_variant(cpu_engine.path).chosen
     assert row["cpu_variants"] == sorted(cpu_backend.CPU_VARIANTS)
+
+
+def test_binding_works_after_numpy_loaded_libstdcxx(cpu_engine: Engine, smollm2: Path) -> None:
+    """`kvmem generate` imports numpy before the engine: a process that loaded libstdc++.so first. A toolchain that
+    links the C++ runtime statically made our libraries export a second copy, and the tokenizer's std::regex
+    crashed (seen on the GPU host); the engine keeps such a copy private."""
+    script = ("import sys, numpy; from kvmem_llama.binding import Llama\n"
+              "with Llama.load(sys.argv[1], n_ctx=512, libllama=sys.argv[2]) as llm:\n"
+              "    print(llm.generate('The capital of France is', max_tokens=4, temperature=0.0).text)")
+    out = subprocess.run([sys.executable, "-c", script, str(smollm2), str(cpu_engine.libllama)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, f"exit code {out.returncode}: {out.stderr[-2000:]}"
+    assert out.stdout.strip()
+    flags = " ".join(cpu_engine.info["cmake_configure"])
+    assert "--exclude-libs,libstdc++.a" in flags
