@@ -39,6 +39,7 @@ from kvmem_llama.vendor import Pin, load_pin
 from kvmem_llama.vendor.fetch import upstream_tree
 
 BUILD_TARGETS = ("llama-server", "llama-cli", "llama-bench", "ggml-rpc-server", "llama")
+UNIT_TESTS = "test-kvmem"  # the engine's C++ unit tests (patches/overlay/tests), built with the CPU engine
 HEADERS = ("include/llama.h", "ggml/include/ggml.h", "ggml/include/ggml-backend.h",
            "ggml/include/ggml-alloc.h", "ggml/include/ggml-cpu.h", "ggml/include/ggml-opt.h",
            "ggml/include/gguf.h")
@@ -173,6 +174,8 @@ def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, b
     if toolchain.ccache:
         args += [f"-DCMAKE_C_COMPILER_LAUNCHER={toolchain.ccache}",
                  f"-DCMAKE_CXX_COMPILER_LAUNCHER={toolchain.ccache}"]
+    if not target.is_cuda:
+        args.append("-DKVMEM_BUILD_TESTS=ON")
     if target.is_cuda:
         args += [
             "-DGGML_CUDA=ON",
@@ -186,8 +189,9 @@ def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, b
     return args
 
 
-def cmake_build_args(toolchain: Toolchain, build: Path, jobs: int) -> list[str]:
-    return [toolchain.cmake, "--build", str(build), "-j", str(jobs), "--target", *BUILD_TARGETS]
+def cmake_build_args(toolchain: Toolchain, build: Path, jobs: int, unit_tests: bool = False) -> list[str]:
+    targets = (*BUILD_TARGETS, UNIT_TESTS) if unit_tests else BUILD_TARGETS
+    return [toolchain.cmake, "--build", str(build), "-j", str(jobs), "--target", *targets]
 
 
 # --- the patched tree ---
@@ -289,7 +293,7 @@ class BuildPlan:
         return cmake_configure_args(self.target, self.toolchain, self.src, self.build_dir, self.fa_quants, self.ui)
 
     def build_args(self) -> list[str]:
-        return cmake_build_args(self.toolchain, self.build_dir, self.jobs)
+        return cmake_build_args(self.toolchain, self.build_dir, self.jobs, unit_tests=not self.target.is_cuda)
 
     def log_file(self) -> Path:
         return self.tree_root / f"build-{self.target.name}.log"
@@ -426,6 +430,7 @@ def run_build(plan: BuildPlan, log: Callable[[str], None] = print,
         "generator": plan.toolchain.generator,
         "ccache": bool(plan.toolchain.ccache),
         "cmake_configure": configure,
+        "build_dir": str(plan.build_dir),  # holds the C++ unit tests (ctest) of a CPU build
         "ui": {"embedded": bool(assets), "files": assets, "source_hash": ui_source,
                "skipped": None if assets else plan.ui_skipped},
         "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -247,3 +247,32 @@ def test_needle_retrieval_beats_recency(llama_server, smollm2) -> None:
     assert not all(found["recency"]), found
     if not all(found["retrieval"]):
         pytest.xfail(f"retrieval missed a depth with SmolLM2-135M at 1/8 budget: {found}")
+
+
+def test_defaults_live_in_the_engine_and_agree(cpu_engine: Engine, smollm2, llama_server) -> None:
+    """One place for the tiering defaults (llama-kvmem-params.h): the binding's llama_context_default_params,
+    llama-server's --help and its /props say the same, and the Python side reads them from there."""
+    from kvmem_llama.binding import engine_kvmem_defaults, load_library
+    from kvmem_llama.serving import argv
+
+    lib = load_library(cpu_engine.libllama)
+    binding = engine_kvmem_defaults(lib)
+    helped = argv.kvmem_defaults(argv.engine_help(cpu_engine))
+    with llama_server(smollm2, ["-c", "1024", "-np", "1"]) as srv:
+        props = httpx.get(f"{srv.url}/props", timeout=30).json()["kvmem"]
+    sizes = ("block", "sink", "recent", "gen_reserve", "query_tokens", "refresh", "host_mib")
+    for name in sizes:
+        assert binding[name] == props[name], name
+        assert helped[f"--kvmem-{name.replace('_', '-')}"] == binding[name], name
+    assert props["method"] == lib_method_name(lib, binding["method"]) == "retrieval"
+    assert binding["budget"] == props["budget"] == 0 and not props["enabled"]
+    assert {"window": 0, "retrieval": 1}[props["prefill"]] == binding["prefill"]
+    assert {"f16": 0, "same": 1}[props["gpu_type"]] == binding["gpu_type"]
+    # the parallel-slot warning counts with these (a -np 4 server at budget 1024 serves fewer slots at once)
+    assert argv.parallel_tiering_warning(["-np", "4"], 1024, helped)
+
+
+def lib_method_name(lib, method: int) -> str:
+    from kvmem_llama.binding import ffi
+
+    return ffi.string(lib.llama_kvmem_method_name(method)).decode()

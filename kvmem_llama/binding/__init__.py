@@ -72,44 +72,59 @@ PREFILL_MODES = {"window": 0, "retrieval": 1}
 GPU_TYPES = {"f16": 0, "same": 1}
 
 
+# the kvmem_* fields of llama_context_params that KvmemConfig sets (its own names)
+KVMEM_FIELDS = ("budget", "block", "sink", "recent", "gen_reserve", "query_tokens", "host_mib", "method", "refresh",
+                "trace", "prefill", "gpu_type")
+
+
+def engine_kvmem_defaults(lib=None) -> dict[str, int | bool]:
+    """The engine's tiering defaults (llama_context_default_params; llama-kvmem-params.h is their one place)."""
+    params = (lib or load_library()).llama_context_default_params()
+    return {name: getattr(params, f"kvmem_{name}") for name in KVMEM_FIELDS}
+
+
 @dataclass(frozen=True)
 class KvmemConfig:
-    """KV tiering settings of a context (the `--kvmem-*` flags of llama-server / llama-cli)."""
+    """KV tiering settings of a context (the `--kvmem-*` flags of llama-server / llama-cli). A field left None
+    keeps the engine's default (engine_kvmem_defaults)."""
 
     budget: int = 0  # GPU working-set tokens; 0 = tiering off
-    block: int = 128
-    sink: int = 128
-    recent: int = 256
-    gen_reserve: int = 256
-    query_tokens: int = 128
-    host_mib: int = 0  # 0 = sized for the whole context
-    method: str = "retrieval"  # the engine's names: retrieval, recency, quest, meankey, subpage, votes, mass, hybrid
-    refresh: int = 128  # re-select every N generated tokens; 0 = only when the reserve is full
+    block: int | None = None
+    sink: int | None = None
+    recent: int | None = None
+    gen_reserve: int | None = None
+    query_tokens: int | None = None
+    host_mib: int | None = None  # 0 = sized for the whole context
+    method: str | None = None  # the engine's names: retrieval, recency, quest, meankey, subpage, votes, mass, hybrid
+    refresh: int | None = None  # re-select every N generated tokens; 0 = only when the reserve is full
     trace: bool = False
-    prefill: str = "window"  # or "retrieval"
-    gpu_type: str = "f16"  # the working set's type over a quantized pool (type_k/type_v), or "same"
+    prefill: str | None = None  # "window" or "retrieval"
+    gpu_type: str | None = None  # the working set's type over a quantized pool (type_k/type_v), or "same"
 
     def apply(self, cparams, lib) -> None:
-        method = lib.llama_kvmem_method_from_name(self.method.encode())
-        if method < 0:
-            raise KvmemError(f"unknown kvmem method {self.method!r}",
-                             hint="retrieval, recency, quest, meankey, subpage, votes, mass or hybrid")
-        if self.prefill not in PREFILL_MODES:
-            raise KvmemError(f"unknown kvmem prefill mode {self.prefill!r}", hint="window or retrieval")
-        if self.gpu_type not in GPU_TYPES:
-            raise KvmemError(f"unknown kvmem GPU working-set type {self.gpu_type!r}", hint="f16 or same")
-        cparams.kvmem_budget = self.budget
-        cparams.kvmem_block = self.block
-        cparams.kvmem_sink = self.sink
-        cparams.kvmem_recent = self.recent
-        cparams.kvmem_gen_reserve = self.gen_reserve
-        cparams.kvmem_query_tokens = self.query_tokens
-        cparams.kvmem_host_mib = self.host_mib
-        cparams.kvmem_method = method
-        cparams.kvmem_refresh = self.refresh
-        cparams.kvmem_trace = self.trace
-        cparams.kvmem_prefill = PREFILL_MODES[self.prefill]
-        cparams.kvmem_gpu_type = GPU_TYPES[self.gpu_type]
+        values: dict[str, int | bool] = {"budget": self.budget, "trace": self.trace}
+        for name in ("block", "sink", "recent", "gen_reserve", "query_tokens", "host_mib", "refresh"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        if self.method is not None:
+            method = lib.llama_kvmem_method_from_name(self.method.encode())
+            if method < 0:
+                raise KvmemError(f"unknown kvmem method {self.method!r}",
+                                 hint="retrieval, recency, quest, meankey, subpage, votes, mass or hybrid")
+            values["method"] = method
+        if self.prefill is not None:
+            if self.prefill not in PREFILL_MODES:
+                raise KvmemError(f"unknown kvmem prefill mode {self.prefill!r}", hint="window or retrieval")
+            values["prefill"] = PREFILL_MODES[self.prefill]
+        if self.gpu_type is not None:
+            if self.gpu_type not in GPU_TYPES:
+                raise KvmemError(f"unknown kvmem GPU working-set type {self.gpu_type!r}", hint="f16 or same")
+            values["gpu_type"] = GPU_TYPES[self.gpu_type]
+        for name, value in values.items():
+            setattr(cparams, f"kvmem_{name}", value)
+        problem = ffi.string(lib.llama_kvmem_check_params(ffi.addressof(cparams))).decode()
+        if problem:
+            raise KvmemError(problem)
 
 
 @dataclass(frozen=True)

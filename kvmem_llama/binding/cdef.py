@@ -199,6 +199,7 @@ int32_t llama_kvmem_set_query_span(struct llama_context * ctx, llama_seq_id seq_
 int32_t llama_kvmem_seq_release(struct llama_context * ctx, llama_seq_id seq_id);
 const char * llama_kvmem_method_name(int32_t method);
 int32_t llama_kvmem_method_from_name(const char * name);
+const char * llama_kvmem_check_params(const struct llama_context_params * params);
 
 struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
 void llama_perf_context_reset(struct llama_context * ctx);

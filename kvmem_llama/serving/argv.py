@@ -229,7 +229,19 @@ def sampling_args(mode: str) -> list[str]:
 
 
 # the engine's defaults for the flags that size a tiered working set (llama-server --help)
-KVMEM_DEFAULTS = {"--kvmem-block": 128, "--kvmem-sink": 128, "--kvmem-recent": 256, "--kvmem-gen-reserve": 256}
+KVMEM_SIZE_FLAGS = ("--kvmem-block", "--kvmem-sink", "--kvmem-recent", "--kvmem-gen-reserve")
+
+
+def kvmem_defaults(help_text: str) -> dict[str, int]:
+    """The engine's defaults of its --kvmem-* flags, as its --help prints them ("(default: 128)"): the engine is
+    the one place they are set (llama-kvmem-params.h), and these are what a server started without the flag uses."""
+    out: dict[str, int] = {}
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r"^\s*(-{1,2}[\w-]+)", help_text, re.M)]
+    for (start, flag), (end, _) in zip(starts, [*starts[1:], (len(help_text), "")], strict=True):
+        found = re.search(r"\(default:\s*(-?\d+)", help_text[start:end])
+        if flag.startswith("--kvmem-") and found:
+            out[flag] = int(found.group(1))
+    return out
 _SPELLINGS = {"-np": "--parallel"}
 
 
@@ -245,16 +257,18 @@ def slots_at_once(budget: int, n_parallel: int, block: int, sink: int, recent: i
     return max(1, (budget + n_parallel * gen_reserve) // per_slot)
 
 
-def parallel_tiering_warning(args: Sequence[str], budget: int) -> str | None:
+def parallel_tiering_warning(args: Sequence[str], budget: int, defaults: dict[str, int]) -> str | None:
     """A warning when the tiered working set cannot serve all -np N slots at once: the server then lets only
     some slots work and further requests wait (the engine's admission rule, slots_at_once). None when all
-    fit, or with one slot."""
+    fit, or with one slot. defaults: the engine's (kvmem_defaults)."""
     values = {use.flag: use.value or "" for use in scan_flags(args)}  # the last of each flag wins
     try:
         n = int(values.get("--parallel", "-1"))
-        sizes = {flag: int(values.get(flag, default)) for flag, default in KVMEM_DEFAULTS.items()}
-    except ValueError:
+        sizes = {flag: int(values.get(flag, defaults[flag])) for flag in KVMEM_SIZE_FLAGS}
+    except (ValueError, KeyError):
         return None
+    if sizes["--kvmem-block"] <= 0:
+        return None  # the engine refuses it at startup with its own message
     slots = f"-np {n}"
     if n < 0:  # llama-server's auto: 4 slots over one unified KV cache
         n, slots = 4, "-np auto (4 slots)"

@@ -110,7 +110,7 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
     if rpc:
         ours += ["--rpc", rpc]
     command = [str(chosen.server), *argv.merge_args(base + ours, argv.sampling_args(mode), user)]
-    crowded = argv.parallel_tiering_warning(command, budget) if tiering else None
+    crowded = argv.parallel_tiering_warning(command, budget, argv.kvmem_defaults(help_text)) if tiering else None
     if crowded:
         notes.append(crowded)
     user_ctx = given.get("-c")

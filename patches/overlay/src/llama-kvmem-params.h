@@ -1,6 +1,8 @@
 #pragma once
 
-// KVMem tiering parameters (kvmem-llama); kept apart so llama-cparams.h can hold them
+// KVMem tiering parameters (kvmem-llama); kept apart so llama-cparams.h can hold them.
+// The member initializers below are THE defaults: llama_context_default_params(), the --kvmem-* flags and the
+// Python side (which reads them from the engine) all take them from here.
 
 #include <cstdint>
 
@@ -12,7 +14,7 @@ enum llama_kvmem_method_e {
     LLAMA_KVMEM_METHOD_MEANKEY   = 3, // KVMem: cosine of the mean pre-RoPE key and the mean query
     LLAMA_KVMEM_METHOD_SUBPAGE   = 4, // min/max bounds of 16-token sub-pages, a block scores its best sub-page
     LLAMA_KVMEM_METHOD_VOTES     = 5, // each (layer, KV head) votes for its top blocks by sub-page bound
-    LLAMA_KVMEM_METHOD_MASS      = 6, // softmax attention mass of the query over 16-token chunk means
+    LLAMA_KVMEM_METHOD_MASS      = 6, // softmax attention mass of the query over 8-token chunk means
     LLAMA_KVMEM_METHOD_HYBRID    = 7, // mass, with every other pick from the question's rare words (BM25 over block tokens)
     LLAMA_KVMEM_METHOD_COUNT,
 };
@@ -42,6 +44,15 @@ struct llama_kvmem_params {
     int32_t  prefill      = LLAMA_KVMEM_PREFILL_WINDOW;
     int32_t  gpu_type     = LLAMA_KVMEM_GPU_TYPE_F16;
     bool     trace        = false;
+    uint32_t n_threads    = 1;   // the context's threads (the host-side scorer uses as many)
 
     class llama_kvmem_cache * leader = nullptr; // MTP draft contexts: the target's tiered cache to follow
 };
+
+inline constexpr uint32_t kvmem_div_up(uint32_t a, uint32_t b) { return (a + b - 1)/b; }
+
+// the smallest budget that holds the sink and the recent window (whole blocks), one retrieved block and the
+// partial tail
+inline uint32_t kvmem_min_budget(const llama_kvmem_params & kp) {
+    return (kvmem_div_up(kp.sink, kp.block) + kvmem_div_up(kp.recent, kp.block) + 2)*kp.block;
+}

@@ -2,12 +2,15 @@
 
 #include "llama-kvmem-score.h"
 
+#include "ggml.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <thread>
+#include <unordered_map>
 
 // the method `--kvmem-method retrieval` (the default) stands for; chosen by measurement (docs/eval)
 static constexpr int32_t KVMEM_DEFAULT_METHOD = LLAMA_KVMEM_METHOD_HYBRID;
@@ -38,16 +41,14 @@ int32_t kvmem_scorer::resolve(int32_t method) {
     return method == LLAMA_KVMEM_METHOD_RETRIEVAL ? KVMEM_DEFAULT_METHOD : method;
 }
 
-kvmem_scorer::kvmem_scorer(const kvmem_dims & dims, int32_t method) :
-        d(dims), named(resolve(method)), meth(named == LLAMA_KVMEM_METHOD_HYBRID ? LLAMA_KVMEM_METHOD_MASS : named) {
+kvmem_scorer::kvmem_scorer(const kvmem_dims & dims, int32_t method, uint32_t threads) :
+        d(dims), named(resolve(method)), meth(named == LLAMA_KVMEM_METHOD_HYBRID ? LLAMA_KVMEM_METHOD_MASS : named),
+        n_threads(std::max<uint32_t>(1, threads)) {
+    GGML_ASSERT(d.n_head_kv > 0 && d.n_head % d.n_head_kv == 0 && d.block > 0);
     sub = std::min<uint32_t>(meth == LLAMA_KVMEM_METHOD_MASS ? 8 : 16, d.block);
     while (d.block % sub != 0) {
         sub /= 2;
     }
-}
-
-bool kvmem_scorer::post_rope() const {
-    return false; // measured: pre-RoPE keys match a question to its fact better than the positional scores (docs/eval)
 }
 
 size_t kvmem_scorer::summary_size() const {
@@ -156,10 +157,9 @@ static void kvmem_dots(const float * q0, size_t n_rows, const float * k0, size_t
     }
 }
 
-// run fn(p) for p in [0, n) on up to 16 threads (enough work per thread, else inline)
-static void kvmem_parallel(size_t n, double work, const std::function<void(size_t)> & fn) {
-    const size_t n_threads = std::max<size_t>(1, std::min<size_t>({ (size_t) std::thread::hardware_concurrency(), 16,
-                (size_t) (work/16e6) + 1, n }));
+// run fn(p) for p in [0, n) on up to max_threads threads (the context's; enough work per thread, else inline)
+static void kvmem_parallel(size_t n, double work, size_t max_threads, const std::function<void(size_t)> & fn) {
+    const size_t n_threads = std::max<size_t>(1, std::min<size_t>({ max_threads, (size_t) (work/16e6) + 1, n }));
     auto worker = [&](size_t t) {
         for (size_t p = t; p < n; p += n_threads) {
             fn(p);
@@ -249,7 +249,7 @@ void kvmem_scorer::score_bounds(const std::vector<const float *> & sums, const s
             cs[c*n_lh + p] = best;
         }
     };
-    kvmem_parallel(n_lh, (double) nc*n_lh*n_rows*group*hd2*n_pages, score_pair);
+    kvmem_parallel(n_lh, (double) nc*n_lh*n_rows*group*hd2*n_pages, n_threads, score_pair);
 
     std::vector<float> zs(nc*n_lh, 0.0f);
     for (size_t j = 0; j < n_lh && nc > 1; ++j) {
@@ -348,8 +348,7 @@ void kvmem_scorer::score_meankey(const std::vector<const float *> & sums, const 
 
 void kvmem_scorer::score_mass(const std::vector<const float *> & sums, const float * q, size_t n_rows, std::vector<float> & out) const {
     // softmax attention of each query row and query head over every chunk of every block (a chunk mean
-    // stands for its `sub` keys, hence the log(sub) offset), so each (layer, head, row) spends one unit of
-    // attention: heads that look at the sink or the recent window spend it there. A block's share for one
+    // stands for its `sub` keys), so each (layer, head, row) spends one unit of attention: heads that look at the sink or the recent window spend it there. A block's share for one
     // (layer, head, row) is its best chunk's probability; the block's score sums the squares of its
     // shares, so that the few confident heads that find a fact outweigh the many diffuse ones.
     const uint32_t hd = d.head_dim;
@@ -358,7 +357,6 @@ void kvmem_scorer::score_mass(const std::vector<const float *> & sums, const flo
     const size_t per_q = (size_t) d.n_head*hd;
     const size_t n_pairs = (size_t) d.n_lt*d.n_head;
     const float scale = 1.0f/std::sqrt((float) hd);
-    const float offset = std::log((float) sub);
 
     std::vector<size_t> ids;
     for (size_t i = 0; i < sums.size(); ++i) {
@@ -393,7 +391,7 @@ void kvmem_scorer::score_mass(const std::vector<const float *> & sums, const flo
             float * l = logits.data() + r*n_k;
             float mx = -INFINITY;
             for (size_t c = 0; c < n_k; ++c) {
-                l[c] = l[c]*scale + offset;
+                l[c] = l[c]*scale;
                 mx = std::max(mx, l[c]);
             }
             double den = 0.0;
@@ -412,7 +410,7 @@ void kvmem_scorer::score_mass(const std::vector<const float *> & sums, const flo
             }
         }
     };
-    kvmem_parallel(n_pairs, (double) n_pairs*n_rows*n_k*hd, run_pair);
+    kvmem_parallel(n_pairs, (double) n_pairs*n_rows*n_k*hd, n_threads, run_pair);
     for (size_t c = 0; c < nb; ++c) {
         double s = 0.0;
         for (size_t p = 0; p < n_pairs; ++p) {
@@ -420,4 +418,82 @@ void kvmem_scorer::score_mass(const std::vector<const float *> & sums, const flo
         }
         out[ids[c]] = (float) s;
     }
+}
+
+//
+// lexical picks (hybrid)
+//
+
+std::vector<std::pair<llama_token, float>> kvmem_question_tokens(const std::vector<llama_token> & tokens, float half_life) {
+    std::vector<std::pair<llama_token, float>> out;
+    const size_t n = tokens.size();
+    for (size_t i = 0; i < n; ++i) {
+        if (tokens[i] >= 0) {
+            out.push_back({ tokens[i], std::pow(0.5f, (float) (n - 1 - i)/half_life) });
+        }
+    }
+    return out;
+}
+
+std::vector<std::pair<float, int32_t>> kvmem_lexical_rank(const std::vector<std::pair<llama_token, float>> & question,
+        const std::map<int32_t, const std::vector<llama_token> *> & docs, const std::set<int32_t> & exclude) {
+    std::unordered_map<llama_token, uint32_t> qidx; // the question's distinct tokens, each with its largest weight
+    std::vector<float> qw;
+    for (const auto & [t, w] : question) {
+        const auto it = qidx.emplace(t, (uint32_t) qidx.size());
+        if (it.second) {
+            qw.push_back(w);
+        } else {
+            qw[it.first->second] = std::max(qw[it.first->second], w);
+        }
+    }
+    const size_t nq = qidx.size();
+    std::vector<uint32_t> df(nq, 0);
+    std::vector<std::pair<int32_t, std::vector<uint16_t>>> tf; // candidate blocks' term counts
+    std::vector<uint16_t> cnt(nq);
+    for (const auto & [b, toks] : docs) {
+        std::fill(cnt.begin(), cnt.end(), 0);
+        for (const auto t : *toks) {
+            const auto it = t >= 0 ? qidx.find(t) : qidx.end();
+            if (it != qidx.end() && cnt[it->second] < UINT16_MAX) {
+                cnt[it->second]++;
+            }
+        }
+        for (size_t j = 0; j < nq; ++j) {
+            df[j] += cnt[j] > 0 ? 1 : 0;
+        }
+        if (!exclude.count(b)) {
+            tf.push_back({ b, cnt });
+        }
+    }
+    std::vector<std::pair<float, int32_t>> out;
+    if (tf.size() < 2) {
+        return out;
+    }
+    const uint32_t n_docs = (uint32_t) docs.size();
+    const float k1 = 1.2f;
+    std::vector<float> idf(nq);
+    for (size_t j = 0; j < nq; ++j) {
+        idf[j] = qw[j]*std::log(1.0f + (n_docs - df[j] + 0.5f)/(df[j] + 0.5f));
+    }
+    // a candidate must hold a rare word from near the question's end: common words alone rank blocks by noise
+    const uint32_t rare_df = std::max<uint32_t>(1, n_docs/10);
+    double sum = 0.0, sum2 = 0.0;
+    for (const auto & [b, c] : tf) {
+        float sc = 0.0f;
+        bool has_rare = false;
+        for (size_t j = 0; j < nq; ++j) {
+            sc += c[j] ? idf[j]*c[j]*(k1 + 1.0f)/(c[j] + k1) : 0.0f;
+            has_rare = has_rare || (c[j] > 0 && df[j] <= rare_df && qw[j] >= 0.25f);
+        }
+        sum += sc;
+        sum2 += (double) sc*sc;
+        out.push_back({ has_rare ? sc : -1.0f, b });
+    }
+    const double mean = sum/tf.size();
+    const double sd = std::sqrt(std::max(0.0, sum2/tf.size() - mean*mean));
+    const float bar = (float) (mean + 2.0*sd);
+    out.erase(std::remove_if(out.begin(), out.end(), [&](const auto & e) { return e.first <= bar || e.first <= 0.0f; }), out.end());
+    std::stable_sort(out.begin(), out.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
+    return out;
 }

@@ -2,19 +2,23 @@
 
 // KVMem block summaries and scoring (kvmem-llama): which history blocks a query needs.
 //
-// A block's summary is built once, when the block is complete, from the keys of its tokens;
+// A block's summary is built once, when the block is complete, from the pre-RoPE keys of its tokens;
 // a selection scores every block of a sequence against the turn's query rows. Key and query
-// rows are float [n_lt][heads][head_dim] per token (n_lt = tiered layers), before or after
-// RoPE as the method asks (post_rope()). One implementation per method, all on the CPU;
-// selection is shared by all layers, so every method reduces (layer, head, query row)
-// evidence to one score per block.
+// rows are float [n_lt][heads][head_dim] per token (n_lt = tiered layers). One implementation per method,
+// all on the CPU; selection is shared by all layers, so every method reduces (layer, head, query row)
+// evidence to one score per block. The lexical picks of `hybrid` (BM25 over block token ids) are here too.
+// Pure functions of their inputs (tests/kvmem).
 
+#include "llama.h"
 #include "llama-kvmem-params.h"
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 struct kvmem_dims {
@@ -28,15 +32,19 @@ struct kvmem_dims {
     size_t query_row() const { return (size_t) n_lt*n_head*head_dim; }
 };
 
+// key_row(pos, lt): the layer-lt part of the key row of position pos, nullptr when it is not known
+using kvmem_key_rows = std::function<const float * (llama_pos pos, uint32_t lt)>;
+
 class kvmem_scorer {
 public:
-    kvmem_scorer(const kvmem_dims & dims, int32_t method);
+    // n_threads: the context's threads (scoring runs inside its decode)
+    kvmem_scorer(const kvmem_dims & dims, int32_t method, uint32_t n_threads = 1);
 
     int32_t method() const { return named; }
+    const kvmem_dims & dims() const { return d; }
     // hybrid: the picks alternate between the attention score and the question's rare words (llama-kvmem.cpp)
     bool lexical() const { return named == LLAMA_KVMEM_METHOD_HYBRID; }
     bool scores() const { return meth != LLAMA_KVMEM_METHOD_RECENCY; }
-    bool post_rope() const; // keys and queries after RoPE (positions matter), else before
 
     // floats of one block's summary (0: the method needs none)
     size_t summary_size() const;
@@ -62,9 +70,21 @@ private:
     int32_t named; // the method asked for (RETRIEVAL resolved)
     int32_t meth;  // the attention scorer it uses
     uint32_t sub = 16; // sub-page / chunk tokens
+    uint32_t n_threads = 1;
 
     void score_bounds(const std::vector<const float *> & sums, const std::vector<char> & cand,
             const float * q, size_t n_rows, std::vector<float> & out) const;
     void score_meankey(const std::vector<const float *> & sums, const float * q, size_t n_rows, std::vector<float> & out) const;
     void score_mass(const std::vector<const float *> & sums, const float * q, size_t n_rows, std::vector<float> & out) const;
 };
+
+// the question's tokens, weighted toward its end: half the weight every `half_life` tokens before it
+std::vector<std::pair<llama_token, float>> kvmem_question_tokens(const std::vector<llama_token> & tokens, float half_life);
+
+// blocks (of `docs`, not in `exclude`) that share rare words with the question, best first: BM25 over block token
+// ids with the question's weights (the span may start inside a long message), kept only when a block stands out
+// (mean + 2 sd of the candidates) and holds a rare word (in at most a tenth of the blocks) from near the question's
+// end, so a question without rare words adds none. docs: token ids by block (-1 = unknown); open blocks excluded
+// by the caller.
+std::vector<std::pair<float, int32_t>> kvmem_lexical_rank(const std::vector<std::pair<llama_token, float>> & question,
+        const std::map<int32_t, const std::vector<llama_token> *> & docs, const std::set<int32_t> & exclude);

@@ -1,0 +1,196 @@
+// KVMem: what scoring needs, captured after each ubatch (kvmem-llama): block summaries from the ubatch's pre-RoPE
+// keys, the query rows of its last tokens, token ids per block; then the write-through of completed blocks.
+
+#include "llama-kvmem.h"
+
+#include "llama-impl.h"
+#include "llama-batch.h"
+#include "llama-graph.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+static constexpr llama_pos POS_END = std::numeric_limits<llama_pos>::max();
+
+// query rows kept beyond the query itself: the template tokens after the last user message, and
+// the rows of speculative drafts that may still be rejected (rows are dropped by position only, so a
+// rejected draft leaves the same rows as one-token decoding would)
+static constexpr uint32_t KVMEM_ROW_SLACK = 256;
+
+void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph_result * res, const llama_ubatch & ubatch) {
+    if (!res) {
+        return;
+    }
+    ggml_backend_sched_synchronize(sched);
+    if (!leader && scorer->scores()) {
+        if (scorer->summary_size() > 0) {
+            capture_keys(res, ubatch);
+        }
+        if (scorer->lexical() && ubatch.token) {
+            capture_tokens(ubatch);
+        }
+        capture_queries(res, ubatch);
+    }
+    for (uint32_t s = 0; s < ubatch.n_seqs_unq; ++s) {
+        write_through(ubatch.seq_id_unq[s]);
+    }
+    publish();
+}
+
+void llama_kvmem_cache::capture_keys(const llm_graph_result * res, const llama_ubatch & ubatch) {
+    // key rows of the ubatch ([layer][token][kv head][head_dim], a scratch reused across ubatches): the summary
+    // of every block this ubatch completed is built from them, and only the rows of each sequence's two
+    // newest blocks are kept (to rebuild a summary after a truncation)
+    const uint32_t nt = ubatch.n_tokens;
+    const int32_t  B  = kp.block;
+    const size_t per_k = (size_t) dims.n_head_kv*dims.head_dim;
+    const uint32_t n_lt = lrows.size();
+    kscratch.resize((size_t) n_lt*nt*per_k);
+    for (uint32_t lt = 0; lt < n_lt; ++lt) {
+        const uint32_t il = lrows[lt].il;
+        ggml_tensor * t = il < res->t_kvmem_k.size() ? res->t_kvmem_k[il] : nullptr;
+        if (t && (size_t) ggml_nelements(t) == per_k*nt) {
+            ggml_backend_tensor_get(t, kscratch.data() + (size_t) lt*nt*per_k, 0, ggml_nbytes(t));
+        }
+    }
+    std::map<llama_seq_id, std::map<llama_pos, uint32_t>> in_ubatch; // position -> token of this ubatch
+    for (uint32_t i = 0; i < nt; ++i) {
+        in_ubatch[ubatch.seq_id[i][0]][ubatch.pos[i]] = i;
+    }
+    for (auto & [s, toks] : in_ubatch) {
+        kvmem_seq & st = open_seq(s);
+        const llama_pos keep_from = std::max<llama_pos>(0, (toks.rbegin()->first/B - 1)*B);
+        const kvmem_key_rows key_row = [&](llama_pos pos, uint32_t lt) -> const float * {
+            const auto it = toks.find(pos);
+            if (it != toks.end()) {
+                return kscratch.data() + ((size_t) lt*nt + it->second)*per_k;
+            }
+            const auto kr = st.rows.key.find(pos);
+            return kr == st.rows.key.end() ? nullptr : kr->second.data() + (size_t) lt*per_k;
+        };
+        for (int32_t blk = toks.begin()->first/B; blk <= toks.rbegin()->first/B; ++blk) {
+            build_summary(st, blk, key_row);
+        }
+        st.rows.key.erase(st.rows.key.begin(), st.rows.key.lower_bound(keep_from));
+        for (auto it = toks.lower_bound(keep_from); it != toks.end(); ++it) {
+            auto & row = st.rows.key[it->first];
+            row.clear();
+            row.reserve((size_t) n_lt*per_k);
+            for (uint32_t lt = 0; lt < n_lt; ++lt) {
+                const float * src = kscratch.data() + ((size_t) lt*nt + it->second)*per_k;
+                row.insert(row.end(), src, src + per_k);
+            }
+        }
+    }
+}
+
+void llama_kvmem_cache::capture_tokens(const llama_ubatch & ubatch) {
+    const int32_t B = kp.block;
+    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+        auto & toks = open_seq(ubatch.seq_id[i][0]).rows.tokens[ubatch.pos[i]/B];
+        if (toks.empty()) {
+            toks.assign(B, -1);
+        }
+        toks[ubatch.pos[i] % B] = ubatch.token[i];
+    }
+}
+
+void llama_kvmem_cache::capture_queries(const llm_graph_result * res, const llama_ubatch & ubatch) {
+    // query rows: the last tokens of this ubatch, kept by position
+    const uint32_t nt = ubatch.n_tokens;
+    const size_t per_q = (size_t) dims.n_head*dims.head_dim;
+    if (lrows.empty()) {
+        return;
+    }
+    const uint32_t il0 = lrows[0].il;
+    ggml_tensor * t0 = il0 < res->t_kvmem_q.size() ? res->t_kvmem_q[il0] : nullptr;
+    if (!t0 || (size_t) (t0->ne[0]*t0->ne[1]) != per_q || (uint32_t) t0->ne[2] > nt) {
+        return;
+    }
+    const uint32_t nq = t0->ne[2];
+    std::vector<float> buf;
+    std::vector<std::vector<float>> rows(nq, std::vector<float>((size_t) lrows.size()*per_q, 0.0f));
+    for (uint32_t lt = 0; lt < lrows.size(); ++lt) {
+        const uint32_t il = lrows[lt].il;
+        ggml_tensor * t = il < res->t_kvmem_q.size() ? res->t_kvmem_q[il] : nullptr;
+        if (!t || (size_t) ggml_nelements(t) != per_q*nq) {
+            continue;
+        }
+        buf.resize(ggml_nelements(t));
+        ggml_backend_tensor_get(t, buf.data(), 0, ggml_nbytes(t));
+        for (uint32_t j = 0; j < nq; ++j) {
+            std::memcpy(rows[j].data() + lt*per_q, buf.data() + j*per_q, per_q*sizeof(float));
+        }
+    }
+    std::set<llama_seq_id> touched;
+    for (uint32_t j = 0; j < nq; ++j) {
+        const uint32_t i = nt - nq + j;
+        open_seq(ubatch.seq_id[i][0]).rows.query[ubatch.pos[i]] = std::move(rows[j]);
+        touched.insert(ubatch.seq_id[i][0]);
+    }
+    for (const auto s : touched) {
+        auto & q = open_seq(s).rows.query;
+        const llama_pos keep = q.rbegin()->first - (llama_pos) (kp.query_tokens + KVMEM_ROW_SLACK);
+        q.erase(q.begin(), q.lower_bound(keep));
+    }
+}
+
+void llama_kvmem_cache::build_summary(kvmem_seq & st, int32_t b, const kvmem_key_rows & key_row) {
+    // a block is summarized when its last token has been computed; rows missing at its start are those of a block
+    // cut by a truncation deep in the history, whose old summary fills in for the tokens that did not change
+    const int32_t B = kp.block;
+    const size_t per = (size_t) dims.n_head_kv*dims.head_dim;
+    if (!key_row((b + 1)*B - 1, 0)) {
+        return; // not complete (yet)
+    }
+    const auto stale = st.rows.stale.find(b);
+    std::vector<float> rows((size_t) B*dims.key_row());
+    std::vector<char> known(B, 1);
+    for (int32_t t = 0; t < B; ++t) {
+        if (!key_row(b*B + t, 0)) {
+            known[t] = 0;
+            continue;
+        }
+        for (uint32_t lt = 0; lt < dims.n_lt; ++lt) {
+            std::memcpy(rows.data() + ((size_t) t*dims.n_lt + lt)*per, key_row(b*B + t, lt), per*sizeof(float));
+        }
+    }
+    const bool complete = std::all_of(known.begin(), known.end(), [](char k) { return k != 0; });
+    if (!complete && stale == st.rows.stale.end()) {
+        return; // rows missing for another reason (a restored state): no summary rather than a wrong one
+    }
+    auto & out = st.rows.summary[b];
+    out.resize(scorer->summary_size());
+    const bool use_old = !complete && stale->second.first.size() == out.size();
+    scorer->summarize([&](uint32_t t) { return known[t] ? rows.data() + (size_t) t*dims.key_row() : nullptr; }, out.data(),
+            use_old ? stale->second.first.data() : nullptr, use_old ? stale->second.second : 0);
+    if (stale != st.rows.stale.end()) {
+        st.rows.stale.erase(stale);
+    }
+}
+
+void llama_kvmem_cache::forget_from(kvmem_seq & st, llama_pos p0, llama_pos p1, bool keep_summaries) {
+    const int32_t B = kp.block;
+    auto & btok = st.rows.tokens;
+    for (auto it = btok.lower_bound(p0/B); it != btok.end() && (p1 == POS_END || it->first*B < p1); ) {
+        for (llama_pos p = std::max(p0, it->first*B); p < std::min<llama_pos>(p1, (it->first + 1)*B); ++p) {
+            it->second[p - it->first*B] = -1;
+        }
+        it = it->first*B >= p0 && p1 == POS_END ? btok.erase(it) : std::next(it);
+    }
+    st.rows.key.erase(st.rows.key.lower_bound(p0), st.rows.key.lower_bound(p1));
+    st.rows.query.erase(st.rows.query.lower_bound(p0), st.rows.query.lower_bound(p1));
+    if (keep_summaries) {
+        return;
+    }
+    // the block the cut falls in keeps its old summary aside, if its first tokens' rows are gone
+    const int32_t b0 = p0/B;
+    const auto sit = st.rows.summary.find(b0);
+    if (p1 == POS_END && p0 % B != 0 && sit != st.rows.summary.end() && st.rows.key.find(b0*B) == st.rows.key.end()) {
+        st.rows.stale[b0] = { sit->second, (uint32_t) (p0 - b0*B) };
+    }
+    st.rows.stale.erase(st.rows.stale.upper_bound(b0), st.rows.stale.end());
+    const int32_t b1 = p1 == POS_END ? std::numeric_limits<int32_t>::max() : (p1 - 1)/B + 1;
+    st.rows.summary.erase(st.rows.summary.lower_bound(p0/B), st.rows.summary.lower_bound(b1));
+}

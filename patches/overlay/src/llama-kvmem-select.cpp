@@ -1,0 +1,381 @@
+// KVMem: selections (kvmem-llama): the plan, applying it with its undo journal, undoing it, and when the next
+// one runs. See llama-kvmem-select.h and invariant 2 of llama-kvmem.h.
+
+#include "llama-kvmem.h"
+#include "llama-kvmem-select.h"
+
+#include "llama-impl.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+// hybrid picks: a question token's weight halves every this many tokens before the question's end (measured
+// offline on 30 samples each of niah_single_essay/multikey/followup at 7.8K tokens, SmolLM2 tokenizer, 128-token
+// query span: the needle block stands out and ranks first in 26, 30, 28 with 16; 11, 10, 17 unweighted)
+static constexpr float KVMEM_LEX_HALF = 16.0f;
+
+static constexpr llama_pos POS_END = std::numeric_limits<llama_pos>::max();
+
+//
+// the plan (pure)
+//
+
+std::vector<float> kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens, uint32_t & n_rows) {
+    const size_t per = dims.query_row();
+    std::vector<float> rows;
+    n_rows = 0;
+    // the newest rows (of positions >= from), at most `want`, oldest first
+    auto add_newest = [&](uint32_t want, llama_pos from) {
+        std::vector<const std::vector<float> *> picked;
+        for (auto it = st.rows.query.rbegin(); it != st.rows.query.rend() && it->first >= from && picked.size() < want; ++it) {
+            picked.push_back(&it->second);
+        }
+        for (auto p = picked.rbegin(); p != picked.rend(); ++p) {
+            rows.insert(rows.end(), (*p)->begin(), (*p)->end());
+            n_rows++;
+        }
+    };
+    if (st.phase() == kvmem_phase::PROMPT && st.turn.q0 < 0) {
+        add_newest(std::min<uint32_t>(query_tokens, 64), 0); // inside a prompt (retrieval prefill)
+        return rows;
+    }
+    rows = st.turn.q;
+    n_rows = (uint32_t) (st.turn.q.size()/std::max<size_t>(per, 1));
+    if (st.phase() == kvmem_phase::GEN && st.turn.pos >= 0) {
+        add_newest(std::max<uint32_t>(1, query_tokens/2), st.turn.pos);
+    }
+    return rows;
+}
+
+// the blocks every selection keeps: the sink, the question (newest blocks of it first), the recent window
+static void kvmem_plan_fixed(const kvmem_geometry & g, const kvmem_seq & st, uint32_t avail, kvmem_plan & plan) {
+    const int32_t B = g.block;
+    for (const auto & [b, hb] : st.blocks) {
+        if ((uint32_t) b < g.sink_blocks && plan.target.size() < avail) {
+            plan.target.insert(b);
+            plan.n_sink++;
+        }
+    }
+    if (st.turn.q0 >= 0) {
+        for (int32_t b = (st.turn.q1 - 1)/B; b >= st.turn.q0/B && plan.target.size() < avail; --b) {
+            if (st.blocks.count(b) && plan.target.insert(b).second) {
+                plan.n_question++;
+            }
+        }
+    }
+    // the newest blocks (those the question already covers count: the window does not grow past them)
+    for (auto it = st.blocks.rbegin(); it != st.blocks.rend() && plan.n_recent < g.recent_blocks && plan.target.size() < avail; ++it) {
+        plan.target.insert(it->first);
+        plan.n_recent++;
+    }
+}
+
+// the other blocks by attention score, best first; recency (newest first) when there is nothing to score with
+static std::vector<std::pair<float, int32_t>> kvmem_rank_blocks(const kvmem_seq & st, const kvmem_scorer & scorer,
+        const std::vector<float> & q, uint32_t n_rows, const std::set<int32_t> & target) {
+    std::vector<std::pair<float, int32_t>> ranked;
+    if (scorer.scores() && n_rows > 0) {
+        std::vector<const float *> sums;
+        std::vector<char> cand;
+        std::vector<int32_t> ids;
+        for (const auto & [b, hb] : st.blocks) {
+            const auto sit = st.rows.summary.find(b);
+            ids.push_back(b);
+            sums.push_back(sit == st.rows.summary.end() ? nullptr : sit->second.data());
+            cand.push_back(!target.count(b) && sit != st.rows.summary.end());
+        }
+        std::vector<float> scores;
+        scorer.score(sums, cand, q.data(), n_rows, scores);
+        for (size_t i = 0; i < ids.size(); ++i) {
+            if (cand[i]) {
+                ranked.push_back({ scores[i], ids[i] });
+            }
+        }
+        std::stable_sort(ranked.begin(), ranked.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
+    }
+    if (ranked.empty()) {
+        for (auto it = st.blocks.rbegin(); it != st.blocks.rend(); ++it) {
+            if (!target.count(it->first)) {
+                ranked.push_back({ 0.0f, it->first });
+            }
+        }
+    }
+    return ranked;
+}
+
+static std::vector<std::pair<float, int32_t>> kvmem_rank_lexical(const kvmem_seq & st, const std::set<int32_t> & target) {
+    std::map<int32_t, const std::vector<llama_token> *> docs; // blocks on the host (not the open block)
+    for (const auto & [b, toks] : st.rows.tokens) {
+        if (st.blocks.count(b)) {
+            docs.emplace(b, &toks);
+        }
+    }
+    return kvmem_lexical_rank(st.turn.tokens, docs, target);
+}
+
+kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, uint32_t share, kvmem_reason reason,
+        const kvmem_scorer & scorer, uint32_t query_tokens, bool trace, llama_seq_id seq_id) {
+    GGML_ASSERT(share >= 2);
+    const uint32_t avail = share - 1; // one block of the share is the partial tail
+    kvmem_plan plan;
+    kvmem_plan_fixed(g, st, avail, plan);
+
+    const kvmem_dims dims = scorer.dims();
+    const std::vector<float> q = kvmem_query_rows(st, dims, query_tokens, plan.n_rows);
+    const auto ranked = kvmem_rank_blocks(st, scorer, q, plan.n_rows, plan.target);
+    std::vector<std::pair<float, int32_t>> lex;
+    if (scorer.lexical() && plan.n_rows > 0 && !st.turn.tokens.empty()) {
+        lex = kvmem_rank_lexical(st, plan.target);
+    }
+    // inside a prompt (retrieval prefill) the picks take at most half: the newest blocks are the other half
+    const size_t n_fixed = plan.target.size();
+    const size_t cap = reason == kvmem_reason::PREFILL ? n_fixed + (avail - std::min<size_t>(avail, n_fixed))/2 : avail;
+    std::map<int32_t, float> att;
+    for (const auto & [score, b] : ranked) {
+        att[b] = score;
+    }
+    size_t ia = 0, il = 0, n_order = 0;
+    bool lex_turn = false;
+    while (plan.target.size() < cap && (ia < ranked.size() || il < lex.size())) {
+        const bool from_lex = il < lex.size() && (lex_turn || ia >= ranked.size());
+        const int32_t b = from_lex ? lex[il++].second : ranked[ia++].second;
+        if (plan.target.count(b)) {
+            continue;
+        }
+        lex_turn = !from_lex;
+        plan.target.insert(b);
+        plan.n_lexical += from_lex ? 1 : 0;
+        if (!scorer.scores() || plan.n_rows == 0) {
+            continue; // recency: the extended window has no picks
+        }
+        // picks leave lowest first under pressure: attention score, or for hybrid the merged order
+        plan.picks[b] = scorer.lexical() ? (float) (ranked.size() + lex.size() - n_order++) : att[b];
+        if (trace) {
+            LLAMA_LOG_WARN("kvmem_trace: pick seq=%d block=%d score=%.4f lexical=%d\n", seq_id, b,
+                    att.count(b) ? att[b] : 0.0f, (int) from_lex);
+        }
+    }
+    return plan;
+}
+
+//
+// the cache: running a selection
+//
+
+void llama_kvmem_cache::begin_turn_query(llama_seq_id seq_id, kvmem_seq & st, llama_pos pos) {
+    // the question: the span of the last user message (its end), whose query rows form the turn's query
+    llama_pos q0 = -1, q1 = -1;
+    turn_query_span(seq_id, pos, q0, q1);
+    st.start_turn(pos, q0, q1);
+    const size_t per_q = dims.query_row();
+    st.turn.q.clear();
+    for (auto r = st.rows.query.lower_bound(q0); r != st.rows.query.end() && r->first < q1; ++r) {
+        if (r->second.size() == per_q) {
+            st.turn.q.insert(st.turn.q.end(), r->second.begin(), r->second.end());
+        }
+    }
+    std::vector<llama_token> span;
+    for (llama_pos qp = std::max<llama_pos>(0, q0); qp < q1; ++qp) {
+        const auto bt = st.rows.tokens.find(qp/kp.block);
+        span.push_back(bt == st.rows.tokens.end() ? -1 : bt->second[qp % kp.block]);
+    }
+    st.turn.tokens = kvmem_question_tokens(span, KVMEM_LEX_HALF);
+}
+
+void llama_kvmem_cache::apply_target(llama_seq_id seq_id, kvmem_seq & st, const std::set<int32_t> & target,
+        kvmem_journal * journal, uint32_t & staged_in, uint32_t & staged_out, uint32_t & reused) {
+    // a diff: resident blocks in the target stay, others leave, missing ones come in
+    staged_in = staged_out = reused = 0;
+    for (auto & [b, hb] : st.blocks) {
+        if (hb.resident && !target.count(b)) {
+            evict_block(seq_id, b, hb, journal);
+            staged_out++;
+        }
+    }
+    for (auto & [b, hb] : st.blocks) {
+        if (!target.count(b)) {
+            continue;
+        }
+        if (hb.resident) {
+            reused++;
+            continue;
+        }
+        if (!stage_in_making_room(seq_id, b, hb, journal)) {
+            LLAMA_LOG_WARN("%s: kvmem: no free cells to stage in block %d of seq %d\n", __func__, b, seq_id);
+            break;
+        }
+        staged_in++;
+    }
+}
+
+bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
+    kvmem_seq * found = find_seq(seq_id);
+    GGML_ASSERT(found && "a selection is for a sequence that decoded a batch");
+    kvmem_seq & st = *found;
+    const llama_pos pos = kvmem_cells().seq_pos_max(seq_id) + 1;
+    if (reason == kvmem_reason::TURN) {
+        begin_turn_query(seq_id, st, pos);
+    }
+    if (st.blocks.empty()) {
+        if (reason == kvmem_reason::TURN) {
+            schedule_event(seq_id, st, pos);
+        }
+        return false;
+    }
+    const int64_t t_start = ggml_time_us();
+
+    // re-selections during generation are undone by a truncation below their position (a rejected draft)
+    const bool undoable = reason == kvmem_reason::REFRESH || reason == kvmem_reason::ROOM;
+    kvmem_journal journal;
+    if (undoable) {
+        journal.pos = pos;
+        journal.reason = reason;
+        journal.stage_hint = stage_hint;
+        for (const auto & [b, hb] : st.blocks) {
+            if (hb.picked) {
+                journal.picks_before[b] = hb.score;
+            }
+        }
+    }
+    const uint32_t share = share_blocks(seq_id);
+    const kvmem_plan plan = kvmem_plan_selection(geom, st, share, reason, *scorer, kp.query_tokens, kp.trace, seq_id);
+
+    const int64_t t_stage = ggml_time_us();
+    uint32_t staged_in = 0, staged_out = 0, reused = 0;
+    apply_target(seq_id, st, plan.target, undoable ? &journal : nullptr, staged_in, staged_out, reused);
+    st.set_picks(plan.picks);
+    copier.wait();
+    const double stage_ms = (ggml_time_us() - t_stage)/1000.0;
+
+    for (auto * f : followers) {
+        f->follow_leader();
+    }
+    if (undoable) {
+        st.events.push_back(std::move(journal));
+    }
+    if (reason == kvmem_reason::PREFILL) {
+        st.next_prefill = pos + prefill_step();
+    } else {
+        schedule_event(seq_id, st, pos);
+    }
+
+    const double ms = (ggml_time_us() - t_start)/1000.0;
+    st.n_select++;
+    st.last_ms = ms;
+    totals.n_select++;
+    totals.n_staged_in  += staged_in;
+    totals.n_staged_out += staged_out;
+    totals.last_ms = ms;
+
+    LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%zu staged_in=%u "
+            "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s lexical=%u\n",
+            seq_id, st.n_blocks(), geom.budget_blocks, share, plan.n_sink, plan.n_recent, plan.picks.size(), staged_in,
+            staged_out, reused, plan.n_rows, ms, stage_ms, (double) staged_in*ws_block_bytes()/1024.0/1024.0,
+            kvmem_reason_name(reason), pos, plan.n_question, kvmem_scorer::method_name(scorer->method()), plan.n_lexical);
+    if (kp.trace) {
+        trace_resident(seq_id, st, pos, reason);
+    }
+    publish();
+    return staged_in > 0;
+}
+
+void llama_kvmem_cache::schedule_event(llama_seq_id seq_id, kvmem_seq & st, llama_pos pos) {
+    // the next re-selection during generation: every --kvmem-refresh tokens, or earlier when the
+    // sequence's cells (its share of the budget + the reserve) would run out. A position, not a
+    // count of decodes: speculative batches are cut there (llama-kvmem-decode.cpp)
+    const int32_t B = kp.block;
+    const int64_t allowance = (int64_t) share_blocks(seq_id)*B + kp.gen_reserve;
+    const int64_t used = (int64_t) st.n_resident()*B + pos % B;
+    const int64_t room = std::max<int64_t>(1, allowance - used); // the cells left before the sequence's part is full
+    const int64_t every = kp.refresh > 0 ? (int64_t) kp.refresh : std::numeric_limits<int32_t>::max();
+    st.next_is_room = room < every;
+    st.next_event = (llama_pos) std::min<int64_t>(pos + std::min(every, room), POS_END - 1);
+}
+
+void llama_kvmem_cache::undo_events(llama_seq_id seq_id, kvmem_seq & st, llama_pos p0) {
+    // a truncation below a re-selection's position (a rejected speculative draft): one-token decoding
+    // would not have re-selected yet, so the working set goes back to what it was before, cell for cell
+    const kvmem_undo_ops undo_ops = {
+        /*is_back   =*/ [this](llama_seq_id s, int32_t b) { const kvmem_block * hb = find_block(s, b); return !hb || hb->resident; },
+        /*is_staged =*/ [this](llama_seq_id s, int32_t b) { const kvmem_block * hb = find_block(s, b); return hb && hb->resident; },
+        /*evict     =*/ [this](llama_seq_id s, int32_t b) { evict_block(s, b, *find_block(s, b), nullptr); },
+        /*stage_at  =*/ [this](llama_seq_id s, int32_t b, const std::vector<uint32_t> & idx) {
+            return stage_in_at(s, b, *find_block(s, b), idx, nullptr); },
+        /*stage_any =*/ [this, seq_id](llama_seq_id s, int32_t b) {
+            if (stage_in(s, b, *find_block(s, b), nullptr)) {
+                return true;
+            }
+            LLAMA_LOG_WARN("kvmem: could not put block %d of seq %d back (undo for seq %d)\n", b, s, seq_id);
+            return false;
+        },
+    };
+    bool undone = false;
+    while (!st.events.empty() && st.events.back().pos >= p0) {
+        kvmem_journal ev = std::move(st.events.back());
+        st.events.pop_back();
+        const auto [back_in, back_out] = kvmem_undo(ev, undo_ops);
+        st.set_picks(ev.picks_before);
+        stage_hint      = ev.stage_hint;
+        st.next_event   = ev.pos;
+        st.next_is_room = ev.reason == kvmem_reason::ROOM;
+        totals.n_staged_in  += back_in;
+        totals.n_staged_out += back_out;
+        undone = true;
+        if (kp.trace) {
+            LLAMA_LOG_WARN("kvmem_trace: undo seq=%d pos=%d staged_in=%u staged_out=%u\n", seq_id, ev.pos, back_in, back_out);
+        }
+    }
+    if (undone) {
+        copier.wait();
+        for (auto * f : followers) {
+            f->follow_leader();
+        }
+    }
+}
+
+void llama_kvmem_cache::trace_resident(llama_seq_id seq_id, const kvmem_seq & st, llama_pos pos, kvmem_reason reason) const {
+    std::string ranges;
+    int32_t start = -1, prev = -1;
+    auto flush = [&]() {
+        if (start >= 0) {
+            ranges += (ranges.empty() ? "" : ",") + (start == prev ? std::to_string(start) : std::to_string(start) + "-" + std::to_string(prev));
+        }
+    };
+    for (const auto & [b, hb] : st.blocks) {
+        if (!hb.resident) {
+            continue;
+        }
+        if (start >= 0 && b == prev + 1) {
+            prev = b;
+            continue;
+        }
+        flush();
+        start = prev = b;
+    }
+    flush();
+    // layers= tells the caches of a target and its draft model apart in one log
+    LLAMA_LOG_WARN("kvmem_trace: resident seq=%d pos=%d reason=%s layers=%zu blocks=%s\n", seq_id, pos,
+            kvmem_reason_name(reason), lrows.size(), ranges.c_str());
+}
+
+llama_pos llama_kvmem_cache::event_pos(llama_seq_id seq_id) const {
+    const kvmem_seq * st = find_seq(seq_id);
+    return !st || leader || st->phase() != kvmem_phase::GEN ? -1 : st->next_event;
+}
+
+kvmem_reason llama_kvmem_cache::event_reason(llama_seq_id seq_id) const {
+    const kvmem_seq * st = find_seq(seq_id);
+    return st && st->next_is_room ? kvmem_reason::ROOM : kvmem_reason::REFRESH;
+}
+
+llama_pos llama_kvmem_cache::prefill_step() const {
+    // a quarter of the budget (at most 2048 tokens), whole blocks: a prompt selects about four times per budget
+    const uint32_t B = kp.block;
+    return (llama_pos) std::max<uint32_t>(B, (std::min<uint32_t>(2048, kp.budget/4)/B)*B);
+}
+
+llama_pos llama_kvmem_cache::prefill_pos(llama_seq_id seq_id) const {
+    const kvmem_seq * st = find_seq(seq_id);
+    return !st || leader || st->phase() != kvmem_phase::PROMPT ? -1 : st->next_prefill;
+}

@@ -1,0 +1,30 @@
+#pragma once
+
+// KVMem: what a selection makes the working set (kvmem-llama). The plan is a pure function of the sequence's
+// state, its share and the scorer (tests/kvmem); llama-kvmem-select.cpp applies it as a diff (resident blocks
+// that stay are reused, only changes move) and records the undo journal.
+
+#include "llama-kvmem-residency.h"
+#include "llama-kvmem-score.h"
+#include "llama-kvmem-seq.h"
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <vector>
+
+struct kvmem_plan {
+    std::set<int32_t> target;      // the blocks the sequence holds after the selection
+    std::map<int32_t, float> picks; // the picked ones among them, with the priority they leave by (lowest first)
+    uint32_t n_sink = 0, n_question = 0, n_recent = 0, n_rows = 0, n_lexical = 0;
+};
+
+// the query rows of a selection: inside a prompt (retrieval prefill) the prompt's newest rows; else the
+// question's rows, during generation followed by the newest generated tokens' rows
+std::vector<float> kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens, uint32_t & n_rows);
+
+// sink + question + recent + top-k by score until `share` blocks (one of them the partial tail); inside a
+// prompt the picks take at most half of what the sink and the recent window leave. hybrid: every other pick is
+// the next block that shares the question's rare words (attention first). trace: log every pick.
+kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, uint32_t share, kvmem_reason reason,
+        const kvmem_scorer & scorer, uint32_t query_tokens, bool trace, llama_seq_id seq_id);

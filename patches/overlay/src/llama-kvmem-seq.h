@@ -1,0 +1,154 @@
+#pragma once
+
+// KVMem: the state of one tiered sequence and its phase machine (kvmem-llama). See llama-kvmem.h.
+//
+//   IDLE --prompt batch--> PROMPT --its last batch (the turn's selection)--> GEN --next prompt--> PROMPT
+//   GEN or PROMPT --truncated below the turn--> IDLE;  IDLE --generation without a prompt--> GEN
+//
+// Pure data and transitions: no cells, no copies, so the residency and selection rules can be tested on
+// synthetic sequences (tests/kvmem).
+
+#include "llama.h"
+#include "llama-kv-cells.h"
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <set>
+#include <utility>
+#include <vector>
+
+enum class kvmem_phase : uint8_t {
+    IDLE,   // no prompt being read and no answer being generated (new, released or cut)
+    PROMPT, // reading a prompt: its blocks are evicted oldest first, no selection
+    GEN,    // answering a turn: the question and the newest blocks stay, re-selections at exact positions
+};
+
+// what a batch is for one sequence
+enum class kvmem_batch_kind : uint8_t {
+    PROMPT, // a prompt chunk that does not end the prompt (no output at its end)
+    TURN,   // the end of a prompt: the turn's selection runs after it
+    GEN,    // generation: one sampled token, or a speculative verification batch
+};
+
+// why a selection runs
+enum class kvmem_reason : uint8_t {
+    TURN,    // the end of a prompt
+    REFRESH, // every --kvmem-refresh generated tokens
+    ROOM,    // the sequence's share of the working set plus its reserve is full
+    PREFILL, // inside a prompt (--kvmem-prefill retrieval)
+};
+
+const char * kvmem_reason_name(kvmem_reason reason);
+
+// a completed block of a sequence: a slot of the host pool, maybe also cells of the working set
+struct kvmem_block {
+    uint32_t slot     = 0;     // host pool slot
+    bool     resident = false; // its cells are in the working set
+    bool     picked   = false; // chosen by the score of the last selection (picks leave lowest score first)
+    float    score    = 0.0f;
+    std::vector<llama_kv_cell_ext> ext; // per token (M-RoPE positions)
+};
+
+// the undo record of a re-selection during generation: a truncation below `pos` (a rejected speculative draft)
+// puts every evicted block back into the very cells it held (the same cell order, so attention sums in the same
+// order as one-token decoding) and evicts every block staged in, newest first
+struct kvmem_journal {
+    using block_id = std::pair<llama_seq_id, int32_t>;
+
+    llama_pos    pos    = -1; // tokens at >= pos saw the new working set
+    kvmem_reason reason = kvmem_reason::REFRESH;
+    uint32_t     stage_hint = 0; // the cell where stage-in searched next before it
+    std::map<int32_t, float> picks_before;
+    std::vector<std::pair<block_id, std::vector<uint32_t>>> evicted; // in eviction order, with their cells
+    std::vector<block_id> staged;                                    // in stage-in order
+};
+
+// what undoing a journal does to the working set, as callbacks (the cache: cells and copies; tests: a model)
+struct kvmem_undo_ops {
+    std::function<bool(llama_seq_id, int32_t)> is_back;  // the block is resident (or gone: nothing to undo)
+    std::function<bool(llama_seq_id, int32_t)> is_staged; // the block is resident and may be evicted again
+    std::function<void(llama_seq_id, int32_t)> evict;
+    std::function<bool(llama_seq_id, int32_t, const std::vector<uint32_t> &)> stage_at; // into exactly these cells
+    std::function<bool(llama_seq_id, int32_t)> stage_any;                              // anywhere free
+};
+
+// undo one journal: the blocks it staged in leave (newest first), then the blocks it evicted come back into the
+// cells they held (newest first, so each finds its cells free); returns (blocks back in, blocks out)
+std::pair<uint32_t, uint32_t> kvmem_undo(const kvmem_journal & journal, const kvmem_undo_ops & ops);
+
+// a prompt token kept to recompute a turn's query span: positions (M-RoPE: 4) and id
+struct kvmem_prompt_token {
+    std::array<llama_pos, 4> pos;
+    llama_token id;
+};
+
+// what scoring knows of a sequence: block summaries, recent key and query rows, token ids per block
+struct kvmem_seq_rows {
+    std::map<int32_t, std::vector<float>> summary;     // by block index (the scorer's layout)
+    // a block cut by a truncation deep in the history (its older key rows are gone): its old summary and how
+    // many leading tokens are unchanged, to rebuild the summary when the block completes again
+    std::map<int32_t, std::pair<std::vector<float>, uint32_t>> stale;
+    std::map<llama_pos, std::vector<float>> key;       // key rows of the two newest blocks (rebuild after a cut)
+    std::map<llama_pos, std::vector<float>> query;     // query rows of the newest tokens
+    std::map<int32_t, std::vector<llama_token>> tokens; // token ids by block (-1: unknown), for lexical picks
+};
+
+// the turn being answered: where its question is and what it asks
+struct kvmem_turn {
+    llama_pos pos = -1;          // end of the prompt (position of the first generated token)
+    llama_pos q0  = -1, q1 = -1; // the question span [q0, q1)
+    std::vector<float> q;        // the question's query rows
+    std::vector<std::pair<llama_token, float>> tokens; // the question's tokens, weighted toward its end
+};
+
+class kvmem_seq {
+public:
+    std::map<int32_t, kvmem_block> blocks; // completed blocks in the host pool, by block index
+    int32_t next_host = 0;                 // first block index not yet written through
+
+    kvmem_seq_rows rows;
+    kvmem_turn     turn;
+
+    std::vector<kvmem_journal> events;  // re-selections since the turn (undoable)
+    llama_pos next_event   = -1;        // next re-selection position during generation
+    bool      next_is_room = false;
+    llama_pos next_prefill = -1;        // next selection inside the prompt (retrieval prefill)
+
+    std::deque<kvmem_prompt_token> tokens;                    // recent prompt tokens (recompute)
+    std::deque<std::pair<llama_pos, std::vector<uint8_t>>> snapshots; // recurrent states (hybrid models)
+
+    llama_pos hint_p0     = -1;    // the application's start of the last user message (one prompt)
+    bool      prompt_mark = false; // the application said a new prompt starts
+    bool      released    = false; // the application is done with it for now: others may take its cells
+    bool      squeezed    = false; // this prompt lost blocks within its share to another's (logged once)
+
+    int64_t n_select = 0;
+    double  last_ms  = 0.0;
+
+    kvmem_phase phase() const { return phase_; }
+    bool active() const { return !released && phase_ != kvmem_phase::IDLE; }
+
+    // what a batch of n tokens (n_out outputs, the last one an output or not) is for this sequence; when the
+    // application marks its prompts, an unmarked multi-token batch during generation is not a prompt (e.g. a
+    // draft context catching up with the accepted tokens)
+    kvmem_batch_kind classify(uint32_t n, uint32_t n_out, bool last_out, bool app_marks_prompts) const;
+
+    // transitions
+    void start_prompt(bool selects_in_prompt, llama_pos p0); // -> PROMPT; the previous turn's picks become ordinary
+    void start_turn(llama_pos pos, llama_pos q0, llama_pos q1); // PROMPT -> GEN
+    void resume_gen();                                          // -> GEN without a new prompt
+    void cut_prompt();                                          // the prompt itself was truncated: -> IDLE
+
+    uint32_t n_resident() const;
+    int32_t  n_blocks() const { return blocks.empty() ? 0 : blocks.rbegin()->first + 1; }
+    // picked = in picks and resident; score = its pick score
+    void set_picks(const std::map<int32_t, float> & picks);
+
+private:
+    kvmem_phase phase_ = kvmem_phase::IDLE;
+};
+
+using kvmem_seqs = std::map<llama_seq_id, kvmem_seq>;

@@ -1,0 +1,315 @@
+// KVMem: setting tiering up (kvmem-llama): the flags' validation, the checks that disable it with a reason, the
+// memory factory, the cache's construction, and MTP draft caches that follow their target's selection.
+
+#include "llama-kvmem.h"
+
+#include "llama-impl.h"
+#include "llama-context.h"
+#include "llama-cparams.h"
+#include "llama-model.h"
+#include "llama-memory-hybrid.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+//
+// context setup hooks
+//
+
+static llama_kvmem_params kvmem_params_of(const llama_context_params & params) {
+    llama_kvmem_params kp;
+    kp.budget       = std::max(0, params.kvmem_budget);
+    kp.block        = std::max(0, params.kvmem_block);
+    kp.sink         = std::max(0, params.kvmem_sink);
+    kp.recent       = std::max(0, params.kvmem_recent);
+    kp.gen_reserve  = std::max(0, params.kvmem_gen_reserve);
+    kp.query_tokens = std::max(0, params.kvmem_query_tokens);
+    kp.refresh      = std::max(0, params.kvmem_refresh);
+    kp.host_mib     = std::max(0, params.kvmem_host_mib);
+    kp.method       = params.kvmem_method;
+    kp.prefill      = params.kvmem_prefill;
+    kp.gpu_type     = params.kvmem_gpu_type;
+    kp.trace        = params.kvmem_trace;
+    kp.n_threads    = std::max(1, params.n_threads);
+    return kp;
+}
+
+// the one place the tiering settings are checked (llama-server and llama-cli ask at argument parsing through
+// llama_kvmem_check_params, so a bad value stops them before the model loads); "" when they are valid. The
+// budget's minimum applies when tiering is on, the other values are checked either way.
+static std::string kvmem_params_error(const llama_kvmem_params & kp) {
+    if (kp.block < 16 || kp.block > 4096) {
+        return format("--kvmem-block must be in [16, 4096] (got %u)", kp.block);
+    }
+    if (kp.budget > 0 && kp.budget < kvmem_min_budget(kp)) {
+        return format("--kvmem-budget %u is too small: it must hold --kvmem-sink %u + --kvmem-recent %u (rounded up to "
+                "blocks of %u), one retrieved block and the partial last block, i.e. at least %u",
+                kp.budget, kp.sink, kp.recent, kp.block, kvmem_min_budget(kp));
+    }
+    if (kp.gen_reserve < 1) {
+        return format("--kvmem-gen-reserve must be >= 1 (got %u)", kp.gen_reserve);
+    }
+    if (kp.query_tokens < 1 || kp.query_tokens > 4096) {
+        return format("--kvmem-query-tokens must be in [1, 4096] (got %u)", kp.query_tokens);
+    }
+    if (kp.method < 0 || kp.method >= LLAMA_KVMEM_METHOD_COUNT) {
+        return format("--kvmem-method %d is unknown", kp.method);
+    }
+    if (kp.prefill != LLAMA_KVMEM_PREFILL_WINDOW && kp.prefill != LLAMA_KVMEM_PREFILL_RETRIEVAL) {
+        return format("--kvmem-prefill %d is unknown", kp.prefill);
+    }
+    if (kp.gpu_type != LLAMA_KVMEM_GPU_TYPE_F16 && kp.gpu_type != LLAMA_KVMEM_GPU_TYPE_SAME) {
+        return format("--kvmem-gpu-type %d is unknown", kp.gpu_type);
+    }
+    return "";
+}
+
+const char * llama_kvmem_check_params(const struct llama_context_params * params) {
+    static thread_local std::string msg;
+    const llama_kvmem_params kp = kvmem_params_of(*params);
+    msg = kvmem_params_error(kp);
+    return msg.c_str();
+}
+
+void llama_kvmem_configure(llama_cparams & cparams, const llama_context_params & params) {
+    llama_kvmem_params kp = kvmem_params_of(params);
+    if (params.ctx_type == LLAMA_CONTEXT_TYPE_MTP) {
+        // an MTP draft context is tiered only as a follower of a tiered target context
+        kp.leader = params.ctx_other ? llama_kvmem_cache::from(llama_get_memory(params.ctx_other)) : nullptr;
+        if (!kp.leader) {
+            kp.budget = 0;
+        }
+    } else if (params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
+        kp.budget = 0;
+    }
+    if (kp.budget > 0) {
+        const std::string err = kvmem_params_error(kp);
+        if (!err.empty()) {
+            throw std::runtime_error(err);
+        }
+    }
+    cparams.kvmem = kp;
+}
+
+static void kvmem_disable(llama_cparams & cparams, const std::string & reason) {
+    LLAMA_LOG_WARN("kvmem_score: DISABLED (%s)\n", reason.c_str());
+    cparams.kvmem.budget = 0;
+}
+
+void llama_kvmem_check(const llama_model & model, llama_cparams & cparams) {
+    if (cparams.kvmem.budget == 0) {
+        return;
+    }
+    const std::string reason = llama_kvmem_cache::check(model, cparams);
+    if (!reason.empty()) {
+        kvmem_disable(cparams, reason);
+    }
+}
+
+void llama_kvmem_check_memory(llama_memory_i * mem, llama_cparams & cparams) {
+    if (cparams.kvmem.budget > 0 && !llama_kvmem_cache::from(mem)) {
+        kvmem_disable(cparams, "the model's memory has no plain attention KV cache to tier (sliding-window and purely "
+                "recurrent models are not tiered)");
+    }
+}
+
+llama_memory_i * llama_kvmem_create_memory(const llama_model & model, const llama_memory_params & params,
+        const llama_cparams & cparams, const llama_memory_i::layer_filter_cb & filter) {
+    if (cparams.kvmem.budget == 0) {
+        return nullptr;
+    }
+    llama_kvmem_cache * target = nullptr;
+    if (params.ctx_type == LLAMA_CONTEXT_TYPE_MTP) {
+        target = cparams.kvmem.leader;
+        if (!target) {
+            return nullptr;
+        }
+    } else if (params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
+        return nullptr;
+    }
+    return new llama_kvmem_cache(model, params.type_k, params.type_v, cparams.offload_kqv,
+            cparams.n_seq_max, cparams.n_ctx, cparams.kvmem, filter, target);
+}
+
+//
+// the cache
+//
+
+std::string llama_kvmem_cache::check(const llama_model & model, const llama_cparams & cparams) {
+    const auto & hp = model.hparams;
+    if (!cparams.flash_attn) {
+        return "flash attention is off (-fa off); tiering copies per-token V rows and needs -fa on or auto";
+    }
+    if (!cparams.kv_unified && cparams.n_seq_max > 1) {
+        return "parallel sequences need a unified KV cache (--kv-unified)";
+    }
+    if (model.split_mode() == LLAMA_SPLIT_MODE_TENSOR) {
+        // each KV row is split over the devices: block copies move whole rows of one device's buffer
+        return "--split-mode tensor splits every KV row across devices: not tiered yet; use --split-mode layer or row";
+    }
+    uint32_t n_attn = 0;
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        if (!hp.has_kv(il) || hp.is_recr(il)) {
+            continue;
+        }
+        n_attn++;
+        if (hp.n_head_kv(il) != hp.n_head_kv(0) || hp.n_head(il) != hp.n_head(0) ||
+            hp.n_embd_head_k(il) != hp.n_embd_head_k(0) || hp.n_head_kv(il) == 0) {
+            return "layers with different head layouts are not tiered yet";
+        }
+    }
+    return n_attn == 0 ? "the model has no attention layers" : "";
+}
+
+llama_kvmem_cache * llama_kvmem_cache::from(llama_memory_i * mem) {
+    if (!mem) {
+        return nullptr;
+    }
+    if (auto * km = dynamic_cast<llama_kvmem_cache *>(mem)) {
+        return km;
+    }
+    if (auto * hy = dynamic_cast<llama_memory_hybrid *>(mem)) {
+        return dynamic_cast<llama_kvmem_cache *>(hy->get_mem_attn());
+    }
+    return nullptr;
+}
+
+// the working set's type for a pool of type t
+static ggml_type kvmem_working_type(ggml_type t, const llama_kvmem_params & kp) {
+    return kp.gpu_type == LLAMA_KVMEM_GPU_TYPE_F16 && ggml_is_quantized(t) ? GGML_TYPE_F16 : t;
+}
+
+static kvmem_geometry kvmem_geometry_of(const llama_kvmem_params & kp) {
+    return { kp.block, kvmem_div_up(kp.sink, kp.block), kvmem_div_up(kp.recent, kp.block), kp.budget/kp.block };
+}
+
+// per tiered layer: its tensors and the bytes of a token row in the working set and in the pool
+static kvmem_layer_rows kvmem_layer_rows_of(uint32_t il, ggml_tensor * k, ggml_tensor * v, ggml_type pool_k, ggml_type pool_v) {
+    for (const auto & [t, n] : { std::make_pair(pool_k, k->ne[0]), std::make_pair(pool_v, v ? v->ne[0] : 0) }) {
+        if (n % ggml_blck_size(t) != 0) {
+            throw std::runtime_error(format("KV tiering: a KV row of layer %u has %lld values, not a multiple of the "
+                        "%s block size %lld; choose another -ctk/-ctv", il, (long long) n, ggml_type_name(t),
+                        (long long) ggml_blck_size(t)));
+        }
+    }
+    kvmem_layer_rows l;
+    l.il = il;
+    l.k = k;
+    l.v = v;
+    l.row_k  = k->nb[1];
+    l.row_v  = v ? v->nb[1] : 0;
+    l.hrow_k = ggml_row_size(pool_k, k->ne[0]);
+    l.hrow_v = v ? ggml_row_size(pool_v, v->ne[0]) : 0;
+    l.pool_k = pool_k;
+    l.pool_v = pool_v;
+    return l;
+}
+
+llama_kvmem_cache::llama_kvmem_cache(
+        const llama_model & model,
+        ggml_type type_k,
+        ggml_type type_v,
+        bool offload,
+        uint32_t n_seq_max,
+        uint32_t n_ctx_total,
+        const llama_kvmem_params & kp_in,
+        const layer_filter_cb & filter,
+        llama_kvmem_cache * target) :
+    llama_kv_cache(model, model.hparams, kvmem_working_type(type_k, kp_in), kvmem_working_type(type_v, kp_in),
+            /*v_trans*/ false, offload, /*unified*/ true,
+            kp_in.budget + kp_in.gen_reserve*std::max<uint32_t>(1, n_seq_max), n_seq_max, 1, 0, LLAMA_SWA_TYPE_NONE,
+            nullptr, filter, nullptr, nullptr, "kvmem"),
+    kp(kp_in), geom(kvmem_geometry_of(kp_in)), rules(geom), n_seq_cap(std::max<uint32_t>(1, n_seq_max)) {
+    const auto & hp = model.hparams;
+    GGML_ASSERT(kp.block > 0 && kp.budget >= kvmem_min_budget(kp));
+
+    for (const auto & l : kvmem_layers()) {
+        lrows.push_back(kvmem_layer_rows_of(l.il, l.k, l.v, type_k, type_v));
+    }
+    const uint32_t il0 = lrows.empty() ? 0 : lrows[0].il;
+    dims = { (uint32_t) lrows.size(), hp.n_head(il0), hp.n_head_kv(il0), hp.n_embd_head_k(il0), kp.block };
+    scorer = std::make_unique<kvmem_scorer>(dims, kvmem_scorer::resolve(kp.method), kp.n_threads);
+
+    init_pool(n_ctx_total);
+
+    if (target) {
+        leader = target;
+        target->followers.push_back(this);
+        LLAMA_LOG_WARN("kvmem_score: DRAFT follows the target's selection: blocks=%u layers=%zu host_mib=%.0f\n",
+                pool.capacity(), lrows.size(), std::ceil(pool.mib(pool.capacity())));
+    } else {
+        LLAMA_LOG_WARN("kvmem_score: ARMED blocks=%u block_tokens=%u layers=%zu kv_heads=%u head_dim=%u budget_blocks=%u "
+                "host_mib=%.0f method=%s prefill=%s gpu_type=%s/%s pool_type=%s/%s\n",
+                pool.capacity(), kp.block, lrows.size(), dims.n_head_kv, dims.head_dim, geom.budget_blocks,
+                std::ceil(pool.mib(pool.capacity())), kvmem_scorer::method_name(scorer->method()),
+                kp.prefill == LLAMA_KVMEM_PREFILL_RETRIEVAL ? "retrieval" : "window",
+                ggml_type_name(this->type_k()), ggml_type_name(this->type_v()), ggml_type_name(type_k), ggml_type_name(type_v));
+    }
+    LLAMA_LOG_INFO("%s: GPU working set %u cells (budget %u + gen reserve %u x %u sequences), sink %u block(s), recent %u block(s), "
+            "query %u tokens, refresh %u\n", __func__, get_size(), kp.budget, kp.gen_reserve, n_seq_cap, geom.sink_blocks,
+            geom.recent_blocks, kp.query_tokens, kp.refresh);
+}
+
+llama_kvmem_cache::~llama_kvmem_cache() {
+    for (auto * f : followers) {
+        f->leader = nullptr;
+    }
+    if (leader) {
+        auto & fs = leader->followers;
+        fs.erase(std::remove(fs.begin(), fs.end(), this), fs.end());
+    }
+    copier.wait();
+}
+
+//
+// MTP draft caches follow the target
+//
+
+bool llama_kvmem_cache::resident_in_leader(llama_seq_id seq_id, int32_t b) const {
+    const kvmem_seq * st = leader->find_seq(seq_id);
+    if (!st) {
+        return false;
+    }
+    const auto it = st->blocks.find(b);
+    return it != st->blocks.end() && it->second.resident;
+}
+
+void llama_kvmem_cache::follow_leader() {
+    if (!leader) {
+        return;
+    }
+    for (auto & [s, st] : seqs) {
+        uint32_t staged_in = 0, staged_out = 0, resident = 0, common = 0;
+        for (auto & [b, hb] : st.blocks) {
+            if (hb.resident && !resident_in_leader(s, b)) {
+                evict_block(s, b, hb, nullptr);
+                staged_out++;
+            }
+        }
+        for (auto & [b, hb] : st.blocks) {
+            if (!hb.resident && resident_in_leader(s, b)) {
+                if (!stage_in(s, b, hb, nullptr)) {
+                    break; // the partial tail / generated tokens fill the rest; the next sync retries
+                }
+                staged_in++;
+            }
+            resident += hb.resident ? 1 : 0;
+            common   += hb.resident && resident_in_leader(s, b) ? 1 : 0;
+        }
+        copier.wait();
+        if (staged_in + staged_out > 0) {
+            uint32_t target_resident = 0;
+            if (const kvmem_seq * lst = leader->find_seq(s)) {
+                for (const auto & [b, hb] : lst->blocks) {
+                    target_resident += hb.resident && !st.blocks.empty() && b <= st.blocks.rbegin()->first ? 1 : 0;
+                }
+            }
+            totals.n_staged_in  += staged_in;
+            totals.n_staged_out += staged_out;
+            LLAMA_LOG_WARN("kvmem_score: FOLLOW seq=%d n_blocks=%zu staged_in=%u staged_out=%u resident=%u target_resident=%u common=%u\n",
+                    s, st.blocks.size(), staged_in, staged_out, resident, target_resident, common);
+        }
+    }
+    publish();
+}

@@ -1,0 +1,91 @@
+// The selection plan: sink + question + recent + picks, inside a prompt at most half picks, recency without rows,
+// hybrid's alternation between attention and lexical picks.
+
+#include "test-kvmem.h"
+
+#include "llama-kvmem-select.h"
+
+#include <random>
+
+namespace {
+
+const kvmem_dims DIMS = { 1, 2, 1, 8, 16 };
+const kvmem_geometry GEOM = { 16, 1, 1, 6 }; // 1 sink block, 1 recent block, budget 6 blocks
+
+// 12 blocks on the host with mass summaries; the keys of block `needle` point along the first axis
+kvmem_seq make_history(const kvmem_scorer & sc, int needle) {
+    std::mt19937 rng(11);
+    std::normal_distribution<float> noise(0.0f, 1.0f);
+    kvmem_seq st;
+    for (int32_t b = 0; b < 12; ++b) {
+        st.blocks[b].slot = (uint32_t) b;
+        std::vector<float> keys(DIMS.block*DIMS.key_row());
+        for (uint32_t t = 0; t < DIMS.block; ++t) {
+            for (uint32_t i = 0; i < DIMS.head_dim; ++i) {
+                keys[t*DIMS.key_row() + i] = i == 0 ? (b == needle ? 4.0f : 0.0f) : noise(rng);
+            }
+        }
+        auto & sum = st.rows.summary[b];
+        sum.resize(sc.summary_size());
+        sc.summarize([&](uint32_t t) { return keys.data() + t*DIMS.key_row(); }, sum.data());
+        st.rows.tokens[b] = std::vector<llama_token>(DIMS.block, (llama_token) (10 + b % 3));
+    }
+    return st;
+}
+
+std::vector<float> query_row() {
+    std::vector<float> q(DIMS.query_row(), 0.0f);
+    q[0] = q[DIMS.head_dim] = 3.0f;
+    return q;
+}
+
+// generating the answer to a question in block 10, asked at position 12*16 + 4
+void ask(kvmem_seq & st) {
+    st.start_prompt(false, 0);
+    st.start_turn(12*16 + 4, 10*16, 10*16 + 8);
+    st.turn.q = query_row();
+}
+
+} // namespace
+
+KV_SUITE(plan) {
+    const kvmem_scorer mass(DIMS, LLAMA_KVMEM_METHOD_MASS);
+    kvmem_seq st = make_history(mass, 4);
+    ask(st);
+    kvmem_plan p = kvmem_plan_selection(GEOM, st, 6, kvmem_reason::TURN, mass, 128, false, 0);
+    KV_CHECK(p.target.size() == 5); // the share less the partial tail
+    KV_CHECK(p.target.count(0) && p.target.count(10) && p.target.count(11) && p.target.count(4));
+    KV_CHECK(p.n_sink == 1 && p.n_question == 1 && p.n_recent == 1 && p.n_rows == 1 && p.n_lexical == 0);
+    KV_CHECK(p.picks.size() == 2 && p.picks.count(4) && p.picks.at(4) >= p.picks.begin()->second);
+
+    // during generation the newest generated tokens' rows join the question's
+    st.rows.query[12*16 + 5] = query_row();
+    st.rows.query[12*16 + 2] = query_row(); // before the turn's end: not a generated token
+    uint32_t n_rows = 0;
+    kvmem_query_rows(st, DIMS, 128, n_rows);
+    KV_CHECK(n_rows == 2);
+
+    // inside a prompt (retrieval prefill) the picks take at most half of what the fixed blocks leave
+    kvmem_seq pre = make_history(mass, 4);
+    pre.start_prompt(true, 0);
+    pre.rows.query[11*16] = query_row();
+    p = kvmem_plan_selection(GEOM, pre, 6, kvmem_reason::PREFILL, mass, 128, false, 0);
+    KV_CHECK(p.n_question == 0 && p.target.size() == 2 + (5 - 2)/2 && p.target.count(4));
+
+    // recency: the newest blocks, no picks
+    const kvmem_scorer recency(DIMS, LLAMA_KVMEM_METHOD_RECENCY);
+    kvmem_seq rec = make_history(mass, 4);
+    ask(rec);
+    p = kvmem_plan_selection(GEOM, rec, 6, kvmem_reason::TURN, recency, 128, false, 0);
+    KV_CHECK(p.picks.empty() && p.target == std::set<int32_t>({ 0, 8, 9, 10, 11 }));
+
+    // hybrid: attention first, then the block that holds the question's rare word
+    const kvmem_scorer hybrid(DIMS, LLAMA_KVMEM_METHOD_HYBRID);
+    kvmem_seq hy = make_history(hybrid, 4);
+    hy.rows.tokens[7][3] = 777;
+    ask(hy);
+    hy.turn.tokens = kvmem_question_tokens({ 55, 777 }, 16.0f); // 55 occurs nowhere
+    p = kvmem_plan_selection(GEOM, hy, 6, kvmem_reason::TURN, hybrid, 128, false, 0);
+    KV_CHECK(p.target.count(4) && p.target.count(7) && p.n_lexical == 1);
+    KV_CHECK(p.picks.at(4) > p.picks.at(7)); // merged order: the first pick leaves last
+}
