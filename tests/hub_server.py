@@ -165,13 +165,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send_json(self, obj: object, status: int = 200) -> None:
         body = json.dumps(obj).encode()
+        # recorded before the answer leaves: a client that got it may look at the log (or reset it) at once
+        self.hub._record(Served(self.command, self.path, None, status, 0, time.monotonic()))
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
-        self.hub._record(Served(self.command, self.path, None, status, 0, time.monotonic()))
 
     def _error(self, status: int, message: str) -> None:
         self._send_json({"error": message}, status)

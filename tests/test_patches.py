@@ -173,8 +173,10 @@ def test_real_series_applies_to_the_pinned_tree(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     tree.mkdir()
     for rel in {p.split("/")[0] for p in _touched_files(series)} | {"common"}:
-        if (upstream / rel).exists():
+        if (upstream / rel).is_dir():
             shutil.copytree(upstream / rel, tree / rel, dirs_exist_ok=True)
+        elif (upstream / rel).is_file():  # a top-level file such as CMakeLists.txt
+            shutil.copy2(upstream / rel, tree / rel)
     apply_series(tree, series)
     assert "kvmem" in (tree / "common/build-info.cpp.in").read_text()
 
