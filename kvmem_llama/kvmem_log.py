@@ -4,7 +4,7 @@
                  method=.. prefill=.. gpu_type=K/V pool_type=K/V
     kvmem_score: SELECT seq=.. n_blocks=.. budget_blocks=.. share=.. sink=.. recent=.. scored=.. staged_in=..
                  staged_out=.. reused=.. query_tokens=.. ms=.. stage_ms=.. stage_mib=.. reason=.. pos=..
-                 question=.. method=..
+                 question=.. method=.. lexical=.. [fits=1: the whole history is resident, nothing was scored]
     kvmem_score: FOLLOW seq=.. n_blocks=.. staged_in=.. staged_out=.. resident=.. target_resident=.. common=..
     kvmem_score: DRAFT follows the target's selection: blocks=.. layers=.. host_mib=..
     kvmem_score: DISABLED (<reason>)

@@ -173,6 +173,7 @@ void llama_kvmem_cache::drop_host_blocks(llama_seq_id seq_id, int32_t b0) {
         pool.give(it->second.slot);
         it = st->blocks.erase(it);
     }
+    st->lexicon.remove_from(b0);
     st->next_host = std::min(st->next_host, b0);
 }
 
@@ -242,6 +243,7 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
             if (it != st->blocks.end()) {
                 pool.give(it->second.slot);
                 st->blocks.erase(it);
+                st->lexicon.remove(b);
             }
         }
         return ok;

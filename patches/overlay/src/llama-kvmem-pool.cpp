@@ -322,6 +322,10 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
         }
         copier.to_host(pool.slot_ptr(hb.slot), idx);
         st.blocks.emplace(b, std::move(hb));
+        const auto toks = st.rows.tokens.find(b);
+        if (toks != st.rows.tokens.end()) {
+            st.lexicon.add(b, toks->second); // a document for the lexical picks from now on
+        }
     }
     copier.wait();
     st.next_host = std::max(st.next_host, done);

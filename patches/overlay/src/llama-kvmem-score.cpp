@@ -10,7 +10,6 @@
 #include <functional>
 #include <limits>
 #include <thread>
-#include <unordered_map>
 
 // the method `--kvmem-method retrieval` (the default) stands for; chosen by measurement (docs/eval)
 static constexpr int32_t KVMEM_DEFAULT_METHOD = LLAMA_KVMEM_METHOD_HYBRID;
@@ -418,82 +417,4 @@ void kvmem_scorer::score_mass(const std::vector<const float *> & sums, const flo
         }
         out[ids[c]] = (float) s;
     }
-}
-
-//
-// lexical picks (hybrid)
-//
-
-std::vector<std::pair<llama_token, float>> kvmem_question_tokens(const std::vector<llama_token> & tokens, float half_life) {
-    std::vector<std::pair<llama_token, float>> out;
-    const size_t n = tokens.size();
-    for (size_t i = 0; i < n; ++i) {
-        if (tokens[i] >= 0) {
-            out.push_back({ tokens[i], std::pow(0.5f, (float) (n - 1 - i)/half_life) });
-        }
-    }
-    return out;
-}
-
-std::vector<std::pair<float, int32_t>> kvmem_lexical_rank(const std::vector<std::pair<llama_token, float>> & question,
-        const std::map<int32_t, const std::vector<llama_token> *> & docs, const std::set<int32_t> & exclude) {
-    std::unordered_map<llama_token, uint32_t> qidx; // the question's distinct tokens, each with its largest weight
-    std::vector<float> qw;
-    for (const auto & [t, w] : question) {
-        const auto it = qidx.emplace(t, (uint32_t) qidx.size());
-        if (it.second) {
-            qw.push_back(w);
-        } else {
-            qw[it.first->second] = std::max(qw[it.first->second], w);
-        }
-    }
-    const size_t nq = qidx.size();
-    std::vector<uint32_t> df(nq, 0);
-    std::vector<std::pair<int32_t, std::vector<uint16_t>>> tf; // candidate blocks' term counts
-    std::vector<uint16_t> cnt(nq);
-    for (const auto & [b, toks] : docs) {
-        std::fill(cnt.begin(), cnt.end(), 0);
-        for (const auto t : *toks) {
-            const auto it = t >= 0 ? qidx.find(t) : qidx.end();
-            if (it != qidx.end() && cnt[it->second] < UINT16_MAX) {
-                cnt[it->second]++;
-            }
-        }
-        for (size_t j = 0; j < nq; ++j) {
-            df[j] += cnt[j] > 0 ? 1 : 0;
-        }
-        if (!exclude.count(b)) {
-            tf.push_back({ b, cnt });
-        }
-    }
-    std::vector<std::pair<float, int32_t>> out;
-    if (tf.size() < 2) {
-        return out;
-    }
-    const uint32_t n_docs = (uint32_t) docs.size();
-    const float k1 = 1.2f;
-    std::vector<float> idf(nq);
-    for (size_t j = 0; j < nq; ++j) {
-        idf[j] = qw[j]*std::log(1.0f + (n_docs - df[j] + 0.5f)/(df[j] + 0.5f));
-    }
-    // a candidate must hold a rare word from near the question's end: common words alone rank blocks by noise
-    const uint32_t rare_df = std::max<uint32_t>(1, n_docs/10);
-    double sum = 0.0, sum2 = 0.0;
-    for (const auto & [b, c] : tf) {
-        float sc = 0.0f;
-        bool has_rare = false;
-        for (size_t j = 0; j < nq; ++j) {
-            sc += c[j] ? idf[j]*c[j]*(k1 + 1.0f)/(c[j] + k1) : 0.0f;
-            has_rare = has_rare || (c[j] > 0 && df[j] <= rare_df && qw[j] >= 0.25f);
-        }
-        sum += sc;
-        sum2 += (double) sc*sc;
-        out.push_back({ has_rare ? sc : -1.0f, b });
-    }
-    const double mean = sum/tf.size();
-    const double sd = std::sqrt(std::max(0.0, sum2/tf.size() - mean*mean));
-    const float bar = (float) (mean + 2.0*sd);
-    out.erase(std::remove_if(out.begin(), out.end(), [&](const auto & e) { return e.first <= bar || e.first <= 0.0f; }), out.end());
-    std::stable_sort(out.begin(), out.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
-    return out;
 }

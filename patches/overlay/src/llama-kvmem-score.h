@@ -6,7 +6,7 @@
 // a selection scores every block of a sequence against the turn's query rows. Key and query
 // rows are float [n_lt][heads][head_dim] per token (n_lt = tiered layers). One implementation per method,
 // all on the CPU; selection is shared by all layers, so every method reduces (layer, head, query row)
-// evidence to one score per block. The lexical picks of `hybrid` (BM25 over block token ids) are here too.
+// evidence to one score per block.
 // Pure functions of their inputs (tests/kvmem).
 
 #include "llama.h"
@@ -15,10 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <map>
-#include <set>
 #include <string>
-#include <utility>
 #include <vector>
 
 struct kvmem_dims {
@@ -77,14 +74,3 @@ private:
     void score_meankey(const std::vector<const float *> & sums, const float * q, size_t n_rows, std::vector<float> & out) const;
     void score_mass(const std::vector<const float *> & sums, const float * q, size_t n_rows, std::vector<float> & out) const;
 };
-
-// the question's tokens, weighted toward its end: half the weight every `half_life` tokens before it
-std::vector<std::pair<llama_token, float>> kvmem_question_tokens(const std::vector<llama_token> & tokens, float half_life);
-
-// blocks (of `docs`, not in `exclude`) that share rare words with the question, best first: BM25 over block token
-// ids with the question's weights (the span may start inside a long message), kept only when a block stands out
-// (mean + 2 sd of the candidates) and holds a rare word (in at most a tenth of the blocks) from near the question's
-// end, so a question without rare words adds none. docs: token ids by block (-1 = unknown); open blocks excluded
-// by the caller.
-std::vector<std::pair<float, int32_t>> kvmem_lexical_rank(const std::vector<std::pair<llama_token, float>> & question,
-        const std::map<int32_t, const std::vector<llama_token> *> & docs, const std::set<int32_t> & exclude);

@@ -71,22 +71,36 @@ static void kvmem_plan_fixed(const kvmem_geometry & g, const kvmem_seq & st, uin
     }
 }
 
+kvmem_score_fn kvmem_host_scores(const kvmem_seq & st, const kvmem_scorer & scorer) {
+    return [&st, &scorer](const std::vector<int32_t> & ids, const std::vector<char> & candidate, const float * q,
+            uint32_t n_rows, std::vector<float> & out) {
+        std::vector<const float *> sums;
+        for (const int32_t b : ids) {
+            sums.push_back(st.rows.summary.at(b).data());
+        }
+        scorer.score(sums, candidate, q, n_rows, out);
+    };
+}
+
 // the other blocks by attention score, best first; recency (newest first) when there is nothing to score with
 static std::vector<std::pair<float, int32_t>> kvmem_rank_blocks(const kvmem_seq & st, const kvmem_scorer & scorer,
-        const std::vector<float> & q, uint32_t n_rows, const std::set<int32_t> & target) {
+        const kvmem_score_fn & score_fn, const std::vector<float> & q, uint32_t n_rows, const std::set<int32_t> & target) {
     std::vector<std::pair<float, int32_t>> ranked;
     if (scorer.scores() && n_rows > 0) {
-        std::vector<const float *> sums;
-        std::vector<char> cand;
+        // every block with a summary is scored (the sink and the recent window take their share of the query's
+        // attention); those outside the target are ranked
         std::vector<int32_t> ids;
+        std::vector<char> cand;
         for (const auto & [b, hb] : st.blocks) {
-            const auto sit = st.rows.summary.find(b);
-            ids.push_back(b);
-            sums.push_back(sit == st.rows.summary.end() ? nullptr : sit->second.data());
-            cand.push_back(!target.count(b) && sit != st.rows.summary.end());
+            if (st.rows.summary.count(b)) {
+                ids.push_back(b);
+                cand.push_back(!target.count(b));
+            }
         }
         std::vector<float> scores;
-        scorer.score(sums, cand, q.data(), n_rows, scores);
+        if (!ids.empty()) {
+            score_fn(ids, cand, q.data(), n_rows, scores);
+        }
         for (size_t i = 0; i < ids.size(); ++i) {
             if (cand[i]) {
                 ranked.push_back({ scores[i], ids[i] });
@@ -104,18 +118,9 @@ static std::vector<std::pair<float, int32_t>> kvmem_rank_blocks(const kvmem_seq 
     return ranked;
 }
 
-static std::vector<std::pair<float, int32_t>> kvmem_rank_lexical(const kvmem_seq & st, const std::set<int32_t> & target) {
-    std::map<int32_t, const std::vector<llama_token> *> docs; // blocks on the host (not the open block)
-    for (const auto & [b, toks] : st.rows.tokens) {
-        if (st.blocks.count(b)) {
-            docs.emplace(b, &toks);
-        }
-    }
-    return kvmem_lexical_rank(st.turn.tokens, docs, target);
-}
-
 kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, uint32_t share, kvmem_reason reason,
-        const kvmem_scorer & scorer, uint32_t query_tokens, bool trace, llama_seq_id seq_id) {
+        const kvmem_scorer & scorer, const kvmem_score_fn & score_fn, uint32_t query_tokens, bool trace,
+        llama_seq_id seq_id) {
     GGML_ASSERT(share >= 2);
     const uint32_t avail = share - 1; // one block of the share is the partial tail
     kvmem_plan plan;
@@ -123,10 +128,10 @@ kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, 
 
     const kvmem_dims dims = scorer.dims();
     const std::vector<float> q = kvmem_query_rows(st, dims, query_tokens, plan.n_rows);
-    const auto ranked = kvmem_rank_blocks(st, scorer, q, plan.n_rows, plan.target);
+    const auto ranked = kvmem_rank_blocks(st, scorer, score_fn, q, plan.n_rows, plan.target);
     std::vector<std::pair<float, int32_t>> lex;
     if (scorer.lexical() && plan.n_rows > 0 && !st.turn.tokens.empty()) {
-        lex = kvmem_rank_lexical(st, plan.target);
+        lex = st.lexicon.rank(st.turn.tokens, plan.target);
     }
     // inside a prompt (retrieval prefill) the picks take at most half: the newest blocks are the other half
     const size_t n_fixed = plan.target.size();
@@ -162,6 +167,10 @@ kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, 
 //
 // the cache: running a selection
 //
+
+kvmem_score_fn llama_kvmem_cache::score_fn(const kvmem_seq & st) const {
+    return kvmem_host_scores(st, *scorer);
+}
 
 void llama_kvmem_cache::begin_turn_query(llama_seq_id seq_id, kvmem_seq & st, llama_pos pos) {
     // the question: the span of the last user message (its end), whose query rows form the turn's query
@@ -223,6 +232,12 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
         }
         return false;
     }
+    const uint32_t share = share_blocks(seq_id);
+    if (st.n_resident() == st.blocks.size() && st.blocks.size() < share) {
+        // the whole history is resident and stays so (the share holds it and the partial tail): nothing to score
+        log_fitting(seq_id, st, reason, pos, share);
+        return false;
+    }
     const int64_t t_start = ggml_time_us();
 
     // re-selections during generation are undone by a truncation below their position (a rejected draft)
@@ -238,8 +253,8 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
             }
         }
     }
-    const uint32_t share = share_blocks(seq_id);
-    const kvmem_plan plan = kvmem_plan_selection(geom, st, share, reason, *scorer, kp.query_tokens, kp.trace, seq_id);
+    const kvmem_plan plan = kvmem_plan_selection(geom, st, share, reason, *scorer, score_fn(st), kp.query_tokens,
+            kp.trace, seq_id);
 
     const int64_t t_stage = ggml_time_us();
     uint32_t staged_in = 0, staged_out = 0, reused = 0;
@@ -278,6 +293,24 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     }
     publish();
     return staged_in > 0;
+}
+
+void llama_kvmem_cache::log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_reason reason, llama_pos pos, uint32_t share) {
+    st.set_picks({});
+    if (reason == kvmem_reason::PREFILL) {
+        st.next_prefill = pos + prefill_step();
+    } else {
+        schedule_event(seq_id, st, pos);
+    }
+    st.n_select++;
+    st.last_ms = 0.0;
+    totals.n_select++;
+    totals.last_ms = 0.0;
+    LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=0 recent=0 scored=0 staged_in=0 "
+            "staged_out=0 reused=%zu query_tokens=0 ms=0.000 stage_ms=0.000 stage_mib=0.0 reason=%s pos=%d question=0 "
+            "method=%s lexical=0 fits=1\n", seq_id, st.n_blocks(), geom.budget_blocks, share, st.blocks.size(),
+            kvmem_reason_name(reason), pos, kvmem_scorer::method_name(scorer->method()));
+    publish();
 }
 
 void llama_kvmem_cache::schedule_event(llama_seq_id seq_id, kvmem_seq & st, llama_pos pos) {

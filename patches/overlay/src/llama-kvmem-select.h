@@ -9,6 +9,7 @@
 #include "llama-kvmem-seq.h"
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <set>
 #include <vector>
@@ -23,8 +24,17 @@ struct kvmem_plan {
 // question's rows, during generation followed by the newest generated tokens' rows
 std::vector<float> kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens, uint32_t & n_rows);
 
+// scores of the blocks `ids` (all with summaries; `candidate` marks those that may be picked) for n_rows query
+// rows: the host scorer over the host summaries, or the graph scorer over the device's (llama-kvmem-summaries.h)
+using kvmem_score_fn = std::function<void(const std::vector<int32_t> & ids, const std::vector<char> & candidate,
+        const float * q, uint32_t n_rows, std::vector<float> & out)>;
+
+// the host scorer over the sequence's host summaries
+kvmem_score_fn kvmem_host_scores(const kvmem_seq & st, const kvmem_scorer & scorer);
+
 // sink + question + recent + top-k by score until `share` blocks (one of them the partial tail); inside a
 // prompt the picks take at most half of what the sink and the recent window leave. hybrid: every other pick is
 // the next block that shares the question's rare words (attention first). trace: log every pick.
 kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, uint32_t share, kvmem_reason reason,
-        const kvmem_scorer & scorer, uint32_t query_tokens, bool trace, llama_seq_id seq_id);
+        const kvmem_scorer & scorer, const kvmem_score_fn & scores, uint32_t query_tokens, bool trace,
+        llama_seq_id seq_id);

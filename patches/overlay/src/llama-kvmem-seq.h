@@ -10,6 +10,7 @@
 
 #include "llama.h"
 #include "llama-kv-cells.h"
+#include "llama-kvmem-lexical.h"
 
 #include <array>
 #include <cstdint>
@@ -111,6 +112,7 @@ public:
 
     kvmem_seq_rows rows;
     kvmem_turn     turn;
+    kvmem_lexical_index lexicon; // token ids of the blocks on the host (hybrid's lexical picks)
 
     std::vector<kvmem_journal> events;  // re-selections since the turn (undoable)
     llama_pos next_event   = -1;        // next re-selection position during generation

@@ -49,6 +49,7 @@
 #include "llama-kvmem-residency.h"
 #include "llama-kvmem-score.h"
 #include "llama-kvmem-seq.h"
+#include "llama-kvmem-select.h"
 
 #include <cstdint>
 #include <functional>
@@ -198,6 +199,9 @@ private:
     kvmem_copier    copier;
     uint32_t stage_hint = 0; // cell where the next search for free cells starts
 
+    // how a selection scores the sequence's blocks (the host scorer over its host summaries)
+    kvmem_score_fn score_fn(const kvmem_seq & st) const;
+
     kvmem_seqs seqs;
     bool app_marks_prompts = false; // the application calls set_query_span at every prompt: only those start turns
 
@@ -224,6 +228,8 @@ private:
     void begin_turn_query(llama_seq_id seq_id, kvmem_seq & st, llama_pos pos);
     void apply_target(llama_seq_id seq_id, kvmem_seq & st, const std::set<int32_t> & target, kvmem_journal * journal,
             uint32_t & staged_in, uint32_t & staged_out, uint32_t & reused);
+    // the whole history is resident and stays so: the selection is a no-op, logged as SELECT ... fits=1
+    void log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_reason reason, llama_pos pos, uint32_t share);
     void schedule_event(llama_seq_id seq_id, kvmem_seq & st, llama_pos pos);
     void undo_events(llama_seq_id seq_id, kvmem_seq & st, llama_pos p0);
     void trace_resident(llama_seq_id seq_id, const kvmem_seq & st, llama_pos pos, kvmem_reason reason) const;

@@ -29,6 +29,7 @@ kvmem_seq make_history(const kvmem_scorer & sc, int needle) {
         sum.resize(sc.summary_size());
         sc.summarize([&](uint32_t t) { return keys.data() + t*DIMS.key_row(); }, sum.data());
         st.rows.tokens[b] = std::vector<llama_token>(DIMS.block, (llama_token) (10 + b % 3));
+        st.lexicon.add(b, st.rows.tokens[b]); // what write-through does
     }
     return st;
 }
@@ -52,7 +53,7 @@ KV_SUITE(plan) {
     const kvmem_scorer mass(DIMS, LLAMA_KVMEM_METHOD_MASS);
     kvmem_seq st = make_history(mass, 4);
     ask(st);
-    kvmem_plan p = kvmem_plan_selection(GEOM, st, 6, kvmem_reason::TURN, mass, 128, false, 0);
+    kvmem_plan p = kvmem_plan_selection(GEOM, st, 6, kvmem_reason::TURN, mass, kvmem_host_scores(st, mass), 128, false, 0);
     KV_CHECK(p.target.size() == 5); // the share less the partial tail
     KV_CHECK(p.target.count(0) && p.target.count(10) && p.target.count(11) && p.target.count(4));
     KV_CHECK(p.n_sink == 1 && p.n_question == 1 && p.n_recent == 1 && p.n_rows == 1 && p.n_lexical == 0);
@@ -69,23 +70,24 @@ KV_SUITE(plan) {
     kvmem_seq pre = make_history(mass, 4);
     pre.start_prompt(true, 0);
     pre.rows.query[11*16] = query_row();
-    p = kvmem_plan_selection(GEOM, pre, 6, kvmem_reason::PREFILL, mass, 128, false, 0);
+    p = kvmem_plan_selection(GEOM, pre, 6, kvmem_reason::PREFILL, mass, kvmem_host_scores(pre, mass), 128, false, 0);
     KV_CHECK(p.n_question == 0 && p.target.size() == 2 + (5 - 2)/2 && p.target.count(4));
 
     // recency: the newest blocks, no picks
     const kvmem_scorer recency(DIMS, LLAMA_KVMEM_METHOD_RECENCY);
     kvmem_seq rec = make_history(mass, 4);
     ask(rec);
-    p = kvmem_plan_selection(GEOM, rec, 6, kvmem_reason::TURN, recency, 128, false, 0);
+    p = kvmem_plan_selection(GEOM, rec, 6, kvmem_reason::TURN, recency, kvmem_host_scores(rec, recency), 128, false, 0);
     KV_CHECK(p.picks.empty() && p.target == std::set<int32_t>({ 0, 8, 9, 10, 11 }));
 
     // hybrid: attention first, then the block that holds the question's rare word
     const kvmem_scorer hybrid(DIMS, LLAMA_KVMEM_METHOD_HYBRID);
     kvmem_seq hy = make_history(hybrid, 4);
     hy.rows.tokens[7][3] = 777;
+    hy.lexicon.add(7, hy.rows.tokens[7]);
     ask(hy);
     hy.turn.tokens = kvmem_question_tokens({ 55, 777 }, 16.0f); // 55 occurs nowhere
-    p = kvmem_plan_selection(GEOM, hy, 6, kvmem_reason::TURN, hybrid, 128, false, 0);
+    p = kvmem_plan_selection(GEOM, hy, 6, kvmem_reason::TURN, hybrid, kvmem_host_scores(hy, hybrid), 128, false, 0);
     KV_CHECK(p.target.count(4) && p.target.count(7) && p.n_lexical == 1);
     KV_CHECK(p.picks.at(4) > p.picks.at(7)); // merged order: the first pick leaves last
 }

@@ -2,11 +2,14 @@
 
 #include "test-kvmem.h"
 
+#include "llama-kvmem-lexical.h"
 #include "llama-kvmem-score.h"
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <random>
+#include <set>
 #include <vector>
 
 namespace {
@@ -99,33 +102,124 @@ KV_SUITE(score) {
     KV_CHECK(std::fabs(out[DIMS.head_dim + 1] - mean1) < 1e-5f);
 }
 
+namespace {
+
+// the rule of kvmem_lexical_index::rank written as a scan over every block's tokens: the index must agree with it
+std::vector<std::pair<float, int32_t>> scan_rank(const std::vector<std::pair<llama_token, float>> & question,
+        const std::map<int32_t, std::vector<llama_token>> & docs, const std::set<int32_t> & exclude) {
+    std::vector<llama_token> qt;
+    std::vector<float> qw;
+    for (const auto & [t, w] : question) {
+        const auto it = std::find(qt.begin(), qt.end(), t);
+        if (it == qt.end()) {
+            qt.push_back(t);
+            qw.push_back(w);
+        } else {
+            qw[it - qt.begin()] = std::max(qw[it - qt.begin()], w);
+        }
+    }
+    std::vector<uint32_t> df(qt.size(), 0);
+    std::vector<std::pair<int32_t, std::vector<uint32_t>>> tf;
+    for (const auto & [b, toks] : docs) {
+        std::vector<uint32_t> c(qt.size(), 0);
+        for (const auto t : toks) {
+            for (size_t j = 0; j < qt.size(); ++j) {
+                c[j] += t == qt[j] ? 1 : 0;
+            }
+        }
+        for (size_t j = 0; j < qt.size(); ++j) {
+            df[j] += c[j] > 0 ? 1 : 0;
+        }
+        if (!exclude.count(b)) {
+            tf.push_back({ b, c });
+        }
+    }
+    std::vector<std::pair<float, int32_t>> out;
+    if (tf.size() < 2) {
+        return out;
+    }
+    const uint32_t n = (uint32_t) docs.size(), rare_df = std::max<uint32_t>(1, n/10);
+    double sum = 0.0, sum2 = 0.0;
+    std::vector<std::pair<float, int32_t>> all;
+    for (const auto & [b, c] : tf) {
+        float sc = 0.0f;
+        bool rare = false;
+        for (size_t j = 0; j < qt.size(); ++j) {
+            const float idf = qw[j]*std::log(1.0f + (n - df[j] + 0.5f)/(df[j] + 0.5f));
+            sc += c[j] ? idf*c[j]*2.2f/(c[j] + 1.2f) : 0.0f;
+            rare = rare || (c[j] > 0 && df[j] <= rare_df && qw[j] >= 0.25f);
+        }
+        sum += sc;
+        sum2 += (double) sc*sc;
+        all.push_back({ rare ? sc : -1.0f, b });
+    }
+    const double mean = sum/tf.size(), sd = std::sqrt(std::max(0.0, sum2/tf.size() - mean*mean));
+    for (const auto & e : all) {
+        if (e.first > (float) (mean + 2.0*sd) && e.first > 0.0f) {
+            out.push_back(e);
+        }
+    }
+    std::stable_sort(out.begin(), out.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
+    return out;
+}
+
+} // namespace
+
 KV_SUITE(lexical) {
     // 20 blocks of common words; the question ends with a rare word that one block holds
-    std::vector<std::vector<llama_token>> blocks(20);
-    for (auto & b : blocks) {
-        b = { 1, 2, 3, 1, 2, 3, -1 };
+    std::map<int32_t, std::vector<llama_token>> docs;
+    kvmem_lexical_index index;
+    for (int32_t b = 0; b < 20; ++b) {
+        docs[b] = { 1, 2, 3, 1, 2, 3, -1 };
     }
-    blocks[7].push_back(99);
-    auto docs_of = [&]() {
-        std::map<int32_t, const std::vector<llama_token> *> docs;
-        for (size_t b = 0; b < blocks.size(); ++b) {
-            docs[(int32_t) b] = &blocks[b];
-        }
-        return docs;
-    };
+    docs[7].push_back(99);
+    for (const auto & [b, toks] : docs) {
+        index.add(b, toks);
+    }
+    KV_CHECK(index.n_docs() == 20);
     const auto question = kvmem_question_tokens({ 5, -1, 99 }, 16.0f);
     KV_CHECK(question.size() == 2 && question[1].first == 99 && question[1].second == 1.0f);
     KV_CHECK(std::fabs(question[0].second - std::pow(0.5f, 2.0f/16.0f)) < 1e-6f);
 
-    auto ranked = kvmem_lexical_rank(question, docs_of(), {});
+    auto ranked = index.rank(question, {});
     KV_CHECK(ranked.size() == 1 && ranked[0].second == 7);
-    KV_CHECK(kvmem_lexical_rank(question, docs_of(), { 7 }).empty()); // already in the working set
-
+    KV_CHECK(index.rank(question, { 7 }).empty()); // already in the working set
     // a question of common words only adds nothing
-    KV_CHECK(kvmem_lexical_rank(kvmem_question_tokens({ 1, 2 }, 16.0f), docs_of(), {}).empty());
-
+    KV_CHECK(index.rank(kvmem_question_tokens({ 1, 2 }, 16.0f), {}).empty());
     // the rare word recurring in a few more blocks than a tenth of them is no longer rare: no lexical pick
-    blocks[2].push_back(99);
-    blocks[11].push_back(99);
-    KV_CHECK(kvmem_lexical_rank(question, docs_of(), {}).empty());
+    for (int32_t b : { 2, 11 }) {
+        docs[b].push_back(99);
+        index.add(b, docs[b]); // replaces what the block held
+    }
+    KV_CHECK(index.n_docs() == 20 && index.rank(question, {}).empty());
+    // dropping blocks (a truncation) takes them out of the counts
+    index.remove_from(10);
+    KV_CHECK(index.n_docs() == 10 && !index.contains(11) && index.contains(9));
+
+    // on random histories the index ranks exactly as a scan over every block's tokens would
+    std::mt19937 rng(17);
+    for (int round = 0; round < 40; ++round) {
+        std::map<int32_t, std::vector<llama_token>> hist;
+        kvmem_lexical_index idx;
+        const int32_t n = 3 + (int32_t) (rng() % 60);
+        for (int32_t b = 0; b < n; ++b) {
+            std::vector<llama_token> toks(16);
+            for (auto & t : toks) {
+                t = rng() % 7 == 0 ? (llama_token) (rng() % 400) : (llama_token) (rng() % 12) - 1;
+            }
+            hist[b] = toks;
+            idx.add(b, toks);
+        }
+        std::vector<llama_token> span(8);
+        for (auto & t : span) {
+            t = rng() % 3 == 0 ? (llama_token) (rng() % 400) : (llama_token) (rng() % 12);
+        }
+        const auto q = kvmem_question_tokens(span, 4.0f);
+        std::set<int32_t> excl = { 0, n - 1 };
+        KV_CHECK(idx.rank(q, excl) == scan_rank(q, hist, excl));
+        const int32_t cut = (int32_t) (rng() % n);
+        idx.remove_from(cut);
+        hist.erase(hist.lower_bound(cut), hist.end());
+        KV_CHECK(idx.rank(q, {}) == scan_rank(q, hist, {}));
+    }
 }
