@@ -114,14 +114,21 @@ def _working_bytes(info: ModelInfo, choice: tuple[str, str, str]) -> int:
     return info.kv_bytes(working_type(ctk, gpu_type), working_type(ctv, gpu_type))
 
 
+def summary_bytes(info: ModelInfo, ctx: int) -> int:
+    """VRAM of the block summaries with tiering on: the engine sizes them for every block of the host pool."""
+    return info.summary_bytes_per_token * (ctx // BLOCK_TOKENS + 2) * BLOCK_TOKENS
+
+
 def _gpu_kv_choice(info: ModelInfo, kv_room: int, ctx: int, gen_reserve: int,
                    choices: list[tuple[str, str, str]]) -> tuple[tuple[str, str, str], int, bool]:
-    """(cache choice, budget, acceptable) for the first choice that holds ctx or keeps ctx <= 6x budget."""
+    """(cache choice, budget, acceptable) for the first choice that holds ctx or keeps ctx <= 6x budget. With
+    tiering the block summaries take their VRAM first."""
     best = None
     for choice in choices:
         if info.kv_bytes(choice[0], choice[1]) * ctx <= kv_room:
             return choice, 0, True  # the whole context fits: no tiering needed
-        budget = _floor_to(kv_room // _working_bytes(info, choice) - gen_reserve, BLOCK_TOKENS)
+        room = kv_room - summary_bytes(info, ctx)
+        budget = _floor_to(room // _working_bytes(info, choice) - gen_reserve, BLOCK_TOKENS)
         best = (choice, budget, budget > 0 and ctx <= CTX_PER_BUDGET * budget)
         if best[2]:
             return best
@@ -222,7 +229,8 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
                 if use_mtp else 0)
     profile = Profile("gpu", ctx, budget, reserve if budget else 0, BLOCK_TOKENS, c_k, c_v, host_mib, use_mtp, ngl,
                       g_type)
-    used = trunk + compute + GPU_OVERHEAD + kv_gpu + mtp_cost
+    summaries = summary_bytes(info, ctx) if budget else 0
+    used = trunk + compute + GPU_OVERHEAD + kv_gpu + mtp_cost + summaries
     ledger = [
         ("VRAM", vram, f"{gpu.name}" + ("" if gpu.detected else " (given)")),
         ("weights on GPU", trunk if ngl is None else trunk * ngl // max(1, info.n_layers), label),
@@ -230,6 +238,8 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
         ("runtime overhead", GPU_OVERHEAD, "CUDA context, workspace"),
         ("KV working set", kv_gpu, f"{(budget + reserve) if budget else ctx} tokens x {ws_per_token} B ({w_k}/{w_v})"),
         ("MTP draft", mtp_cost, "head weights + its KV" if use_mtp else "off"),
+        ("block summaries", summaries, f"{ctx} tokens x {info.summary_bytes_per_token} B (f16 8-token key means, "
+         "scored on the GPU)" if budget else "tiering off"),
         ("VRAM left", vram - used, ""),
         ("full KV at ctx", full_kv, f"{ctx} tokens"),
         ("host KV pool", host_mib * MiB if budget else 0,

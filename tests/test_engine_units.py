@@ -19,7 +19,7 @@ from kvmem_llama.engine import Engine
 
 pytestmark = pytest.mark.engine
 
-SUITES = {"seq", "residency", "score", "lexical", "plan", "journal", "pool", "params"}
+SUITES = {"seq", "residency", "score", "lexical", "plan", "journal", "pool", "params", "summaries", "stager"}
 
 
 def test_engine_unit_tests_pass(cpu_engine: Engine) -> None:

@@ -97,6 +97,7 @@ struct llama_context_params {
     bool kvmem_trace;
     int32_t kvmem_prefill;
     int32_t kvmem_gpu_type;
+    int32_t kvmem_score_on;
 };
 
 struct llama_kvmem_stats {

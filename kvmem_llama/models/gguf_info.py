@@ -102,10 +102,19 @@ class ModelInfo:
         """K+V bytes per token over the layers with a KV cache, K stored as `ctk` and V as `ctv`."""
         return _kv_bytes(self.kv_heads, self.head_dim_k or 0, self.head_dim_v or 0, ctk, ctv or ctk)
 
+    @property
+    def summary_bytes_per_token(self) -> int:
+        """The engine's block summaries per history token: f16 means of 8-token chunks of every attention layer's
+        pre-RoPE keys (the `mass` scorer's), kept where the working set is (VRAM on a GPU) for scoring there."""
+        return sum(h * (self.head_dim_k or 0) for h in self.kv_heads if h) * 2 // SUMMARY_CHUNK_TOKENS
+
     def mtp_kv_bytes(self, ctk: str = "f16", ctv: str | None = None) -> int:
         """The same for the MTP draft's layers (0 without an MTP head)."""
         heads = [self.mtp_kv_heads] * self.mtp_layers
         return _kv_bytes(heads, self.head_dim_k or 0, self.head_dim_v or 0, ctk, ctv or ctk)
+
+
+SUMMARY_CHUNK_TOKENS = 8  # the engine's mass scorer summarizes 8-token chunks (llama-kvmem-score.cpp)
 
 
 def _kv_bytes(kv_heads: list[int], head_dim_k: int, head_dim_v: int, ctk: str, ctv: str) -> int:

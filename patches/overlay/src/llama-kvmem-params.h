@@ -31,6 +31,12 @@ enum llama_kvmem_gpu_type_e {
     LLAMA_KVMEM_GPU_TYPE_SAME = 1, // the working set has the pool's type (copies are plain)
 };
 
+// where the block summaries live and selection scores them (mass, hybrid)
+enum llama_kvmem_score_on_e {
+    LLAMA_KVMEM_SCORE_ON_DEVICE = 0, // the working set's device (VRAM on a GPU): only the chosen blocks come back
+    LLAMA_KVMEM_SCORE_ON_HOST   = 1, // host RAM, scored on the CPU (when VRAM is short: ~4 KiB per history token on a 27B)
+};
+
 struct llama_kvmem_params {
     uint32_t budget       = 0;   // GPU working-set tokens, 0 = tiering off
     uint32_t block        = 128; // tokens per block
@@ -43,6 +49,7 @@ struct llama_kvmem_params {
     int32_t  method       = LLAMA_KVMEM_METHOD_RETRIEVAL;
     int32_t  prefill      = LLAMA_KVMEM_PREFILL_WINDOW;
     int32_t  gpu_type     = LLAMA_KVMEM_GPU_TYPE_F16;
+    int32_t  score_on     = LLAMA_KVMEM_SCORE_ON_DEVICE;
     bool     trace        = false;
     uint32_t n_threads    = 1;   // the context's threads (the host-side scorer uses as many)
 

@@ -3,8 +3,10 @@
 #include "llama-kvmem.h"
 
 #include "llama-impl.h"
+#include "llama-kvmem-stager.h"
 
 #include <algorithm>
+#include <functional>
 #include <stdexcept>
 
 //
@@ -64,10 +66,19 @@ const char * kvmem_host_pool::buffer_name() const {
 // copies
 //
 
+// staging memory on the working set's backend: 16 blocks of a 27B model's 16 attention layers in f16
+static constexpr size_t KVMEM_STAGING_BYTES = (size_t) 64 << 20;
+
+kvmem_copier::kvmem_copier() = default;
+
 kvmem_copier::~kvmem_copier() {
     wait();
+    stager.reset();
     for (auto * be : backends) {
         ggml_backend_free(be);
+    }
+    if (own_cpu) {
+        ggml_backend_free(own_cpu);
     }
 }
 
@@ -95,6 +106,41 @@ void kvmem_copier::init(const std::vector<kvmem_layer_rows> & layers_in, uint32_
         }
         layer_be[i] = *it;
     }
+    init_stager();
+}
+
+void kvmem_copier::init_stager() {
+    if (layers.empty() || std::adjacent_find(layer_be.begin(), layer_be.end(), std::not_equal_to<>()) != layer_be.end()) {
+        return; // layers over several devices, or some in host memory
+    }
+    ggml_backend_t be = layer_be[0];
+    if (!be) {
+        if (!converts(false) && !converts(true)) {
+            return; // host memory of the same type: plain copies
+        }
+        ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        own_cpu = cpu ? ggml_backend_dev_init(cpu, nullptr) : nullptr;
+        if (!own_cpu) {
+            return;
+        }
+        // get_rows and set_rows run on one thread: more would only wait at the barrier between them
+        auto * set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+                ggml_backend_dev_backend_reg(cpu), "ggml_backend_set_n_threads");
+        if (set_threads) {
+            set_threads(own_cpu, 1);
+        }
+        be = own_cpu;
+    }
+    stager = std::make_unique<kvmem_stager>();
+    stager->init(be, layers, block, KVMEM_STAGING_BYTES);
+}
+
+std::string kvmem_copier::path() const {
+    if (!stager) {
+        return "per run of cells";
+    }
+    return format("staged on %s (%u blocks, %.0f MiB)", ggml_backend_name(layer_be[0] ? layer_be[0] : own_cpu),
+            stager->capacity(), stager->staging_bytes()/1024.0/1024.0);
 }
 
 bool kvmem_copier::converts(bool is_v) const {
@@ -153,6 +199,10 @@ void kvmem_copier::copy_runs(uint32_t lt, ggml_tensor * t, uint8_t * rows, size_
 }
 
 void kvmem_copier::to_device(const uint8_t * host, const std::vector<uint32_t> & idx) {
+    if (stager) {
+        stager->to_device(host, idx);
+        return;
+    }
     // converted rows go through a buffer of the working set's type that lives until wait()
     uint8_t * ws = nullptr;
     if (converts(false) || converts(true)) {
@@ -186,6 +236,10 @@ void kvmem_copier::to_device(const uint8_t * host, const std::vector<uint32_t> &
 }
 
 void kvmem_copier::to_host(uint8_t * host, const std::vector<uint32_t> & idx) {
+    if (stager) {
+        stager->to_host(host, idx);
+        return;
+    }
     // downloads of converted rows land in a buffer of the working set's type, converted into the slot after them
     std::vector<uint8_t> down(conv_bytes());
     struct convert_back { uint8_t * rows; uint8_t * dst; ggml_type from, to; int64_t n_per_row; };
@@ -220,6 +274,9 @@ void kvmem_copier::to_host(uint8_t * host, const std::vector<uint32_t> & idx) {
 }
 
 void kvmem_copier::wait() {
+    if (stager) {
+        stager->flush();
+    }
     if (pending) {
         for (auto * be : backends) {
             ggml_backend_synchronize(be);
@@ -259,7 +316,8 @@ void llama_kvmem_cache::init_pool(uint32_t n_ctx_total) {
         }
     }
     pool.init(buft, block_bytes, slots);
-    LLAMA_LOG_INFO("%s: host KV pool %u blocks (%.1f MiB) in %s\n", __func__, slots, pool.mib(slots), ggml_backend_buft_name(buft));
+    LLAMA_LOG_INFO("%s: host KV pool %u blocks (%.1f MiB) in %s; block copies %s\n", __func__, slots, pool.mib(slots),
+            ggml_backend_buft_name(buft), copier.path().c_str());
 }
 
 bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ubatches) {
@@ -325,6 +383,10 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
         const auto toks = st.rows.tokens.find(b);
         if (toks != st.rows.tokens.end()) {
             st.lexicon.add(b, toks->second); // a document for the lexical picks from now on
+        }
+        const auto summ = st.rows.summary.find(b);
+        if (summaries && summ != st.rows.summary.end()) {
+            summaries->put(st.blocks.at(b).slot, summ->second.data());
         }
     }
     copier.wait();

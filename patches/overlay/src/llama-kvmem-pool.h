@@ -13,6 +13,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
+#include <string>
 #include <vector>
 
 // one tiered layer as the copies see it
@@ -56,10 +58,14 @@ private:
 };
 
 // copies of one block between a host slot and cells of the working set, converting between the pool's type and
-// the working set's where they differ (on the host for now)
+// the working set's where they differ: staged on the working set's backend when all tiered layers are on one
+// device, or on the CPU when only the types differ (llama-kvmem-stager.h); else per run of cells, converting on
+// the host (layers split over devices and host memory)
+class kvmem_stager;
+
 class kvmem_copier {
 public:
-    kvmem_copier() = default;
+    kvmem_copier(); // out of line, where kvmem_stager is complete
     kvmem_copier(const kvmem_copier &) = delete;
     kvmem_copier & operator=(const kvmem_copier &) = delete;
     ~kvmem_copier();
@@ -68,9 +74,15 @@ public:
 
     // host slot -> cells idx (idx[t] receives token t); asynchronous until wait()
     void to_device(const uint8_t * host, const std::vector<uint32_t> & idx);
-    // cells idx -> host slot; done when it returns
+    // cells idx -> host slot; done by wait() (the cells must not change before it)
     void to_host(uint8_t * host, const std::vector<uint32_t> & idx);
     void wait();
+
+    // where the copies run: "staged on <backend>" or "per run of cells"
+    std::string path() const;
+
+    // the backend (stream) of the device that holds the first tiered layer, nullptr when it is host memory
+    ggml_backend_t device_backend() const { return layer_be.empty() ? nullptr : layer_be[0]; }
 
 private:
     std::vector<kvmem_layer_rows> layers;
@@ -78,6 +90,8 @@ private:
     std::vector<ggml_backend_t> backends; // owned, one per device
     std::vector<ggml_backend_t> layer_be; // per tiered layer, nullptr = host memory
     bool pending = false;
+    std::unique_ptr<kvmem_stager> stager;
+    ggml_backend_t own_cpu = nullptr; // the stager's backend when the working set is in host memory
 
     // rows of the working set's type kept until the uploads that read them are done
     std::deque<std::vector<uint8_t>> conv_bufs;
@@ -85,6 +99,7 @@ private:
     std::vector<float> conv_f32;
 
     bool converts(bool is_v) const;
+    void init_stager();
     size_t conv_bytes() const;
     void convert_rows(ggml_type from, const void * src, ggml_type to, void * dst, size_t n_rows, int64_t n_per_row);
     void upload(uint32_t lt, ggml_tensor * t, const void * src, size_t offset, size_t size);

@@ -168,6 +168,10 @@ void llama_kvmem_cache::build_summary(kvmem_seq & st, int32_t b, const kvmem_key
     if (stale != st.rows.stale.end()) {
         st.rows.stale.erase(stale);
     }
+    const auto hb = st.blocks.find(b);
+    if (summaries && hb != st.blocks.end()) {
+        summaries->put(hb->second.slot, out.data()); // already on the host: its slot's summary changes with it
+    }
 }
 
 void llama_kvmem_cache::forget_from(kvmem_seq & st, llama_pos p0, llama_pos p1, bool keep_summaries) {

@@ -168,8 +168,19 @@ kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, 
 // the cache: running a selection
 //
 
-kvmem_score_fn llama_kvmem_cache::score_fn(const kvmem_seq & st) const {
-    return kvmem_host_scores(st, *scorer);
+kvmem_score_fn llama_kvmem_cache::score_fn(const kvmem_seq & st) {
+    if (!graph_scorer) {
+        return kvmem_host_scores(st, *scorer);
+    }
+    return [this, &st](const std::vector<int32_t> & ids, const std::vector<char> &, const float * q, uint32_t n_rows,
+            std::vector<float> & out) {
+        std::vector<uint32_t> slots;
+        for (const int32_t b : ids) {
+            slots.push_back(st.blocks.at(b).slot);
+        }
+        copier.wait(); // the summaries' uploads share the device's stream
+        graph_scorer->score(slots, q, n_rows, out);
+    };
 }
 
 void llama_kvmem_cache::begin_turn_query(llama_seq_id seq_id, kvmem_seq & st, llama_pos pos) {

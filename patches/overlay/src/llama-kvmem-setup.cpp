@@ -30,6 +30,7 @@ static llama_kvmem_params kvmem_params_of(const llama_context_params & params) {
     kp.method       = params.kvmem_method;
     kp.prefill      = params.kvmem_prefill;
     kp.gpu_type     = params.kvmem_gpu_type;
+    kp.score_on     = params.kvmem_score_on;
     kp.trace        = params.kvmem_trace;
     kp.n_threads    = std::max(1, params.n_threads);
     return kp;
@@ -61,6 +62,9 @@ static std::string kvmem_params_error(const llama_kvmem_params & kp) {
     }
     if (kp.gpu_type != LLAMA_KVMEM_GPU_TYPE_F16 && kp.gpu_type != LLAMA_KVMEM_GPU_TYPE_SAME) {
         return format("--kvmem-gpu-type %d is unknown", kp.gpu_type);
+    }
+    if (kp.score_on != LLAMA_KVMEM_SCORE_ON_DEVICE && kp.score_on != LLAMA_KVMEM_SCORE_ON_HOST) {
+        return format("--kvmem-score-on %d is unknown", kp.score_on);
     }
     return "";
 }
@@ -232,23 +236,48 @@ llama_kvmem_cache::llama_kvmem_cache(
     scorer = std::make_unique<kvmem_scorer>(dims, kvmem_scorer::resolve(kp.method), kp.n_threads);
 
     init_pool(n_ctx_total);
-
     if (target) {
         leader = target;
         target->followers.push_back(this);
+    }
+    init_summaries();
+
+    if (target) {
         LLAMA_LOG_WARN("kvmem_score: DRAFT follows the target's selection: blocks=%u layers=%zu host_mib=%.0f\n",
                 pool.capacity(), lrows.size(), std::ceil(pool.mib(pool.capacity())));
     } else {
         LLAMA_LOG_WARN("kvmem_score: ARMED blocks=%u block_tokens=%u layers=%zu kv_heads=%u head_dim=%u budget_blocks=%u "
-                "host_mib=%.0f method=%s prefill=%s gpu_type=%s/%s pool_type=%s/%s\n",
+                "host_mib=%.0f method=%s prefill=%s gpu_type=%s/%s pool_type=%s/%s summaries_mib=%.0f score_on=%s\n",
                 pool.capacity(), kp.block, lrows.size(), dims.n_head_kv, dims.head_dim, geom.budget_blocks,
                 std::ceil(pool.mib(pool.capacity())), kvmem_scorer::method_name(scorer->method()),
                 kp.prefill == LLAMA_KVMEM_PREFILL_RETRIEVAL ? "retrieval" : "window",
-                ggml_type_name(this->type_k()), ggml_type_name(this->type_v()), ggml_type_name(type_k), ggml_type_name(type_v));
+                ggml_type_name(this->type_k()), ggml_type_name(this->type_v()), ggml_type_name(type_k), ggml_type_name(type_v),
+                summaries ? std::ceil(summaries->bytes()/1024.0/1024.0) : 0.0, score_backend ? ggml_backend_name(score_backend) : "host");
     }
     LLAMA_LOG_INFO("%s: GPU working set %u cells (budget %u + gen reserve %u x %u sequences), sink %u block(s), recent %u block(s), "
             "query %u tokens, refresh %u\n", __func__, get_size(), kp.budget, kp.gen_reserve, n_seq_cap, geom.sink_blocks,
             geom.recent_blocks, kp.query_tokens, kp.refresh);
+}
+
+void llama_kvmem_cache::init_summaries() {
+    const int32_t m = scorer->method();
+    if (leader || (m != LLAMA_KVMEM_METHOD_MASS && m != LLAMA_KVMEM_METHOD_HYBRID)) {
+        return; // followers select nothing; the other methods are host-side ablations
+    }
+    // on a device next to the working set; in host memory the host scorer is the faster one (a ggml graph of many
+    // small nodes pays a thread barrier per node)
+    score_backend = kp.score_on == LLAMA_KVMEM_SCORE_ON_DEVICE ? copier.device_backend() : nullptr;
+    if (!score_backend) {
+        LLAMA_LOG_INFO("%s: block summaries in host RAM, scored on the CPU%s\n", __func__,
+                kp.score_on == LLAMA_KVMEM_SCORE_ON_HOST ? " (--kvmem-score-on host)" : "");
+        return;
+    }
+    summaries = std::make_unique<kvmem_summary_store>();
+    summaries->init(ggml_backend_get_default_buffer_type(score_backend), dims,
+            (uint32_t) (scorer->summary_size()/dims.key_row()), pool.capacity());
+    graph_scorer = std::make_unique<kvmem_graph_scorer>(score_backend, *summaries);
+    LLAMA_LOG_INFO("%s: block summaries %.1f MiB on %s; scoring there\n", __func__, summaries->bytes()/1024.0/1024.0,
+            ggml_backend_name(score_backend));
 }
 
 llama_kvmem_cache::~llama_kvmem_cache() {
@@ -260,6 +289,8 @@ llama_kvmem_cache::~llama_kvmem_cache() {
         fs.erase(std::remove(fs.begin(), fs.end(), this), fs.end());
     }
     copier.wait();
+    graph_scorer.reset();
+    summaries.reset();
 }
 
 //

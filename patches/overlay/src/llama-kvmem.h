@@ -50,6 +50,7 @@
 #include "llama-kvmem-score.h"
 #include "llama-kvmem-seq.h"
 #include "llama-kvmem-select.h"
+#include "llama-kvmem-summaries.h"
 
 #include <cstdint>
 #include <functional>
@@ -199,8 +200,12 @@ private:
     kvmem_copier    copier;
     uint32_t stage_hint = 0; // cell where the next search for free cells starts
 
-    // how a selection scores the sequence's blocks (the host scorer over its host summaries)
-    kvmem_score_fn score_fn(const kvmem_seq & st) const;
+    // mass and hybrid score on the backend of the working set (llama-kvmem-summaries.h); other methods on the host
+    ggml_backend_t score_backend = nullptr;      // the copier's device backend; nullptr: the host scorer
+    std::unique_ptr<kvmem_summary_store> summaries;
+    std::unique_ptr<kvmem_graph_scorer>  graph_scorer;
+    void init_summaries();
+    kvmem_score_fn score_fn(const kvmem_seq & st);
 
     kvmem_seqs seqs;
     bool app_marks_prompts = false; // the application calls set_query_span at every prompt: only those start turns

@@ -34,3 +34,25 @@ struct registrar {
     static void kvsuite_##name(); \
     static kvtest::registrar kvreg_##name(#name, kvsuite_##name); \
     static void kvsuite_##name()
+
+#include "ggml-backend.h"
+
+#include <cstdlib>
+
+namespace kvtest {
+
+// the backend the graph suites run on: KVMEM_TEST_DEVICE names a device (e.g. CUDA0, on a GPU build host), else
+// the CPU; the caller frees it
+inline ggml_backend_t graph_backend() {
+    ggml_backend_load_all(); // the backend modules next to this binary
+    const char * name = std::getenv("KVMEM_TEST_DEVICE");
+    ggml_backend_dev_t dev = name && *name ? ggml_backend_dev_by_name(name) : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (!dev) {
+        std::fprintf(stderr, "no device %s\n", name ? name : "CPU");
+        return nullptr;
+    }
+    std::fprintf(stderr, "graphs on %s\n", ggml_backend_dev_name(dev));
+    return ggml_backend_dev_init(dev, nullptr);
+}
+
+} // namespace kvtest

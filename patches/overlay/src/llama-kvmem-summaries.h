@@ -1,0 +1,70 @@
+#pragma once
+
+// KVMem: block summaries where the working set lives, and the `mass` scorer as a ggml graph over them (kvmem-llama).
+//
+// Every host slot has room for its block's summary (the chunk means of the block's pre-RoPE keys, per tiered layer
+// and KV head) in f16 tensors on the backend that holds the working set: VRAM on a GPU, host memory on the CPU. A
+// selection uploads only its query rows; the graph (get_rows, mul_mat, soft_max, a max pool over each block's
+// chunks, sqr, sum) runs there, and only one score per block comes back. The same graph runs on the CPU backend
+// (CI) as on CUDA. It computes what kvmem_scorer's `mass` computes on the host (llama-kvmem-score.cpp), from f16
+// summaries (tests/test-kvmem-summaries.cpp compares the two).
+
+#include "llama-kvmem-score.h"
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+class kvmem_summary_store {
+public:
+    kvmem_summary_store() = default;
+    kvmem_summary_store(const kvmem_summary_store &) = delete;
+    kvmem_summary_store & operator=(const kvmem_summary_store &) = delete;
+    ~kvmem_summary_store();
+
+    // summaries of n_slots blocks of n_chunks chunks in buft (throws with the size when it cannot be allocated)
+    void init(ggml_backend_buffer_type_t buft, const kvmem_dims & dims, uint32_t n_chunks, uint32_t n_slots);
+
+    // a block's summary in the host scorer's layout [layer][kv head][chunk][head_dim] into its slot
+    void put(uint32_t slot, const float * summary);
+
+    size_t bytes() const;
+    uint32_t n_chunks() const { return n_ch; }
+    const kvmem_dims & dims() const { return d; }
+    ggml_tensor * layer(uint32_t lt) const { return keys[lt]; } // [head_dim, n_slots*n_chunks, n_head_kv] f16
+
+private:
+    kvmem_dims d;
+    uint32_t n_ch = 0;
+    uint32_t n_slots = 0;
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+    std::vector<ggml_tensor *> keys;
+    std::vector<ggml_fp16_t> row16; // conversion scratch
+};
+
+class kvmem_graph_scorer {
+public:
+    // backend: where the store's buffer lives (the working set's device, or the CPU)
+    kvmem_graph_scorer(ggml_backend_t backend, const kvmem_summary_store & store);
+    kvmem_graph_scorer(const kvmem_graph_scorer &) = delete;
+    kvmem_graph_scorer & operator=(const kvmem_graph_scorer &) = delete;
+    ~kvmem_graph_scorer();
+
+    // out[i]: the score of the block in slots[i] for n_rows query rows q ([row][layer][head][head_dim]): the softmax
+    // attention of each (layer, head, row) over every chunk of these blocks, a block's share its best chunk's
+    // probability, squared, summed over (layer, head, row)
+    void score(const std::vector<uint32_t> & slots, const float * q, uint32_t n_rows, std::vector<float> & out);
+
+private:
+    ggml_backend_t backend;
+    const kvmem_summary_store & store;
+    ggml_gallocr_t galloc = nullptr;
+    std::vector<uint8_t> meta; // the graph's tensor and node structs (no data)
+    std::vector<float> q_host;
+    std::vector<int32_t> idx_host;
+};

@@ -1,0 +1,85 @@
+// The graph scorer over f16 summaries on a backend (the CPU, or KVMEM_TEST_DEVICE) ranks as the host `mass` scorer does.
+
+#include "test-kvmem.h"
+
+#include "llama-kvmem-summaries.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+KV_SUITE(summaries) {
+    ggml_backend_t be = kvtest::graph_backend(); // the CPU, or KVMEM_TEST_DEVICE
+    KV_CHECK(be != nullptr);
+    if (!be) {
+        return;
+    }
+
+    const kvmem_dims d = { /*n_lt*/ 2, /*n_head*/ 4, /*n_head_kv*/ 2, /*head_dim*/ 16, /*block*/ 32 };
+    const kvmem_scorer mass(d, LLAMA_KVMEM_METHOD_MASS, 2);
+    const uint32_t n_ch = (uint32_t) (mass.summary_size()/d.key_row());
+    KV_CHECK(n_ch == 4);
+
+    // 24 blocks of random keys; two of them carry a direction the queries share, strongly and weakly
+    std::mt19937 rng(3);
+    std::normal_distribution<float> noise(0.0f, 1.0f);
+    const int n_blocks = 24;
+    std::vector<std::vector<float>> sums(n_blocks, std::vector<float>(mass.summary_size()));
+    for (int b = 0; b < n_blocks; ++b) {
+        std::vector<float> keys(d.block*d.key_row());
+        for (size_t i = 0; i < keys.size(); ++i) {
+            keys[i] = noise(rng) + (i % d.head_dim == 0 ? (b == 9 ? 5.0f : b == 17 ? 2.5f : 0.0f) : 0.0f);
+        }
+        mass.summarize([&](uint32_t t) { return keys.data() + t*d.key_row(); }, sums[b].data());
+    }
+    const uint32_t n_rows = 20; // two graph steps
+    std::vector<float> q(n_rows*d.query_row());
+    for (size_t i = 0; i < q.size(); ++i) {
+        q[i] = 0.3f*noise(rng) + (i % d.head_dim == 0 ? 2.0f : 0.0f);
+    }
+
+    // host scores
+    std::vector<const float *> ptrs;
+    for (const auto & s : sums) {
+        ptrs.push_back(s.data());
+    }
+    std::vector<float> host;
+    mass.score(ptrs, std::vector<char>(n_blocks, 1), q.data(), n_rows, host);
+
+    // the graph's, the blocks in shuffled slots of a larger store
+    kvmem_summary_store store;
+    store.init(ggml_backend_get_default_buffer_type(be), d, n_ch, 40);
+    std::vector<uint32_t> slots(n_blocks);
+    std::iota(slots.begin(), slots.end(), 7u);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    for (int b = 0; b < n_blocks; ++b) {
+        store.put(slots[b], sums[b].data());
+    }
+    kvmem_graph_scorer graph(be, store);
+    std::vector<float> dev_scores;
+    graph.score(slots, q.data(), n_rows, dev_scores);
+    KV_CHECK(dev_scores.size() == (size_t) n_blocks);
+
+    auto order = [&](const std::vector<float> & s) {
+        std::vector<int> o(n_blocks);
+        std::iota(o.begin(), o.end(), 0);
+        std::stable_sort(o.begin(), o.end(), [&](int a, int b) { return s[a] > s[b]; });
+        return o;
+    };
+    const auto ho = order(host), go = order(dev_scores);
+    KV_CHECK(ho[0] == 9 && go[0] == 9 && ho[1] == 17 && go[1] == 17);
+    double worst = 0.0;
+    for (int b = 0; b < n_blocks; ++b) {
+        worst = std::max(worst, std::fabs(host[b] - dev_scores[b])/std::max(1e-6, (double) std::fabs(host[b])));
+    }
+    KV_CHECK(worst < 2e-2); // f16 summaries
+    KV_CHECK(store.bytes() == (size_t) 2*2*40*4*16*2);
+
+    // an empty question scores nothing
+    std::vector<float> none;
+    graph.score(slots, q.data(), 0, none);
+    KV_CHECK(none.size() == (size_t) n_blocks && none[9] == 0.0f);
+    ggml_backend_free(be);
+}
