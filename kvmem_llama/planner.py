@@ -57,6 +57,8 @@ class Profile:
     # with tiering, the GPU working set's KV type over a quantized pool (ctk/ctv): "f16" (the engine's
     # default) or "same" (the pool's type, for a budget the f16 working set cannot reach)
     gpu_type: str = "f16"
+    # where selection scores the block summaries: "device" (next to the working set) or "host" (host RAM + CPU)
+    score_on: str = "device"
 
 
 @dataclass
@@ -114,24 +116,33 @@ def _working_bytes(info: ModelInfo, choice: tuple[str, str, str]) -> int:
     return info.kv_bytes(working_type(ctk, gpu_type), working_type(ctv, gpu_type))
 
 
+STAGING_BYTES = 64 * MiB  # the engine's staging buffer for block copies (llama-kvmem-pool.cpp)
+
+
 def summary_bytes(info: ModelInfo, ctx: int) -> int:
-    """VRAM of the block summaries with tiering on: the engine sizes them for every block of the host pool."""
-    return info.summary_bytes_per_token * (ctx // BLOCK_TOKENS + 2) * BLOCK_TOKENS
+    """VRAM of scoring on the GPU: the block summaries (the engine sizes them for every block of the host pool),
+    the scoring graph's scratch (one layer's summaries as f32 and its attention probabilities, about 4x one
+    layer's f16 summaries) and the staging buffer."""
+    summaries = info.summary_bytes_per_token * (ctx // BLOCK_TOKENS + 2) * BLOCK_TOKENS
+    return summaries + 4 * summaries // max(1, info.n_attention_layers) + STAGING_BYTES
 
 
 def _gpu_kv_choice(info: ModelInfo, kv_room: int, ctx: int, gen_reserve: int,
-                   choices: list[tuple[str, str, str]]) -> tuple[tuple[str, str, str], int, bool]:
-    """(cache choice, budget, acceptable) for the first choice that holds ctx or keeps ctx <= 6x budget. With
-    tiering the block summaries take their VRAM first."""
+                   choices: list[tuple[str, str, str]]) -> tuple[tuple[str, str, str], int, bool, str]:
+    """(cache choice, budget, acceptable, score_on) for the first choice that holds ctx or keeps ctx <= 6x budget.
+    With tiering, selection scores on the GPU (milliseconds per turn) when the block summaries fit beside an
+    acceptable working set of any cache choice; only when none does are they kept in host RAM (scored on the CPU,
+    seconds per turn at 256K)."""
     best = None
-    for choice in choices:
-        if info.kv_bytes(choice[0], choice[1]) * ctx <= kv_room:
-            return choice, 0, True  # the whole context fits: no tiering needed
-        room = kv_room - summary_bytes(info, ctx)
-        budget = _floor_to(room // _working_bytes(info, choice) - gen_reserve, BLOCK_TOKENS)
-        best = (choice, budget, budget > 0 and ctx <= CTX_PER_BUDGET * budget)
-        if best[2]:
-            return best
+    for score_on in ("device", "host"):
+        for choice in choices:
+            if info.kv_bytes(choice[0], choice[1]) * ctx <= kv_room:
+                return choice, 0, True, "device"  # the whole context fits: no tiering needed
+            room = kv_room - (summary_bytes(info, ctx) if score_on == "device" else 0)
+            budget = _floor_to(room // _working_bytes(info, choice) - gen_reserve, BLOCK_TOKENS)
+            best = (choice, budget, budget > 0 and ctx <= CTX_PER_BUDGET * budget, score_on)
+            if best[2]:
+                return best
     assert best is not None
     return best
 
@@ -208,15 +219,19 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
         warnings.append(f"weights ({trunk / GiB:.1f} GiB) + compute + KV do not fit in {vram / GiB:.1f} GiB of VRAM; "
                         f"planning {ngl}/{info.n_layers} layers on the GPU")
         c_k, c_v, g_type = choices[0]
-        budget, kv_gpu = 0, ctx * info.kv_bytes(c_k, c_v)
+        budget, kv_gpu, score_on = 0, ctx * info.kv_bytes(c_k, c_v), "device"
     else:
-        (c_k, c_v, g_type), budget, ok = choice
+        (c_k, c_v, g_type), budget, ok, score_on = choice
         kv_gpu = _working_bytes(info, (c_k, c_v, g_type)) * (budget + reserve) if budget else \
             info.kv_bytes(c_k, c_v) * ctx
         if budget and not ok:
             smaller = " or use a smaller KV type (--ctk q5_0)" if c_k in ("f32", "f16", "bf16", "q8_0") else ""
             warnings.append(f"context {ctx} is more than {CTX_PER_BUDGET}x the GPU budget {budget}: "
                             f"retrieval quality falls past that; lower --ctx{smaller}")
+    if budget and score_on == "host":
+        warnings.append(f"selection scores on the CPU (seconds per turn at {ctx} tokens): the block summaries "
+                        f"({summary_bytes(info, ctx) / GiB:.1f} GiB) do not fit in VRAM beside the working set; "
+                        "a smaller --ctx, KV type or --kvmem-gpu-type same keeps them on the GPU")
     per_token = info.kv_bytes(c_k, c_v)
     w_k, w_v = (working_type(c_k, g_type), working_type(c_v, g_type)) if budget else (c_k, c_v)
     ws_per_token = info.kv_bytes(w_k, w_v)
@@ -228,8 +243,8 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
     mtp_cost = (info.mtp_weights_bytes + info.mtp_kv_bytes(w_k, w_v) * ((budget + reserve) or ctx)
                 if use_mtp else 0)
     profile = Profile("gpu", ctx, budget, reserve if budget else 0, BLOCK_TOKENS, c_k, c_v, host_mib, use_mtp, ngl,
-                      g_type)
-    summaries = summary_bytes(info, ctx) if budget else 0
+                      g_type, score_on)
+    summaries = summary_bytes(info, ctx) if budget and score_on == "device" else 0
     used = trunk + compute + GPU_OVERHEAD + kv_gpu + mtp_cost + summaries
     ledger = [
         ("VRAM", vram, f"{gpu.name}" + ("" if gpu.detected else " (given)")),
@@ -238,8 +253,10 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
         ("runtime overhead", GPU_OVERHEAD, "CUDA context, workspace"),
         ("KV working set", kv_gpu, f"{(budget + reserve) if budget else ctx} tokens x {ws_per_token} B ({w_k}/{w_v})"),
         ("MTP draft", mtp_cost, "head weights + its KV" if use_mtp else "off"),
-        ("block summaries", summaries, f"{ctx} tokens x {info.summary_bytes_per_token} B (f16 8-token key means, "
-         "scored on the GPU)" if budget else "tiering off"),
+        ("block summaries", summaries, "tiering off" if not budget else
+         f"{ctx} tokens x {info.summary_bytes_per_token} B (f16 8-token key means), scored on the GPU; "
+         "with the scoring scratch and the staging buffer"
+         if score_on == "device" else "in host RAM, scored on the CPU: no room beside the working set"),
         ("VRAM left", vram - used, ""),
         ("full KV at ctx", full_kv, f"{ctx} tokens"),
         ("host KV pool", host_mib * MiB if budget else 0,

@@ -124,9 +124,14 @@ def test_qwen27b_kv_per_token(qwen27b: ModelInfo) -> None:
 TRUNK, COMPUTE, OVERHEAD, MTP_W, MTP_KV = 12_348_030_976, 550_502_400, 536_870_912, 536_870_912, 67_282_688
 
 
-def _budget(vram: int) -> int:
-    room = vram - TRUNK - COMPUTE - OVERHEAD - MTP_W - MTP_KV
-    return (room // 65536 - 4096) // 128 * 128
+# Scoring on the GPU at 256K: f16 summaries 4096 B x 262400 tokens (the pool's 2050 blocks) = 1_074_790_400, its
+# graph's scratch 4/16 of that, the 64 MiB staging buffer
+SUMMARIES = 1_074_790_400 + 1_074_790_400 // 4 + 64 * 2**20
+
+
+def _budget(vram: int, per_token: int = 65536, scored_on_gpu: bool = True) -> int:
+    room = vram - TRUNK - COMPUTE - OVERHEAD - MTP_W - MTP_KV - (SUMMARIES if scored_on_gpu else 0)
+    return (room // per_token - 4096) // 128 * 128
 
 
 def test_qwen27b_12gb_does_not_fit(qwen27b: ModelInfo) -> None:
@@ -142,18 +147,23 @@ def test_qwen27b_12gb_does_not_fit(qwen27b: ModelInfo) -> None:
 
 
 def test_qwen27b_16gb_tiers_with_mtp(qwen27b: ModelInfo) -> None:
+    """Scoring on the GPU takes 1.3 GiB first; an f16 working set would then hold 22,272 tokens, under 1/6 of 256K,
+    so the plan takes a q8_0 working set (and pool) rather than scoring on the CPU."""
     plan = planner.plan(qwen27b, hw("16G"))
-    assert _budget(16 * GiB) == 43776
+    assert _budget(16 * GiB) == 22272 and 262144 > 6 * 22272
+    assert _budget(16 * GiB, scored_on_gpu=False) == 43776  # what scoring on the CPU would leave
     prof = plan.profile
-    assert (prof.ctk, prof.budget, prof.gen_reserve, prof.draft_mtp) == ("f16", 43776, 4096, True)
-    assert 262144 <= 6 * prof.budget  # within the 6x rule, so no quantized KV needed
-    assert prof.host_mib == 16384  # the whole 256K history at f16
+    assert (prof.ctk, prof.budget, prof.gen_reserve, prof.draft_mtp, prof.score_on) == \
+        ("q8_0", _budget(16 * GiB, 34816), 4096, True, "device") == ("q8_0", 45568, 4096, True, "device")
+    assert 262144 <= 6 * prof.budget
+    assert prof.host_mib == 8704  # the whole 256K history at q8_0
+    assert dict((i, s) for i, s, _ in plan.ledger)["block summaries"] == SUMMARIES
     assert plan.warnings == [] and plan.fits
 
 
 def test_qwen27b_24gb_bigger_budget(qwen27b: ModelInfo) -> None:
     plan = planner.plan(qwen27b, hw("24G"))
-    assert plan.profile.budget == _budget(24 * GiB) == 174848
+    assert plan.profile.budget == _budget(24 * GiB) == 153344 and plan.profile.score_on == "device"
     assert plan.profile.ctk == "f16" and plan.profile.draft_mtp
 
 
@@ -208,12 +218,21 @@ def test_qwen27b_two_tiers_with_a_quantized_pool(qwen27b: ModelInfo) -> None:
     f16 = planner.plan(qwen27b, hw("16G"))
     q5 = planner.plan(qwen27b, hw("16G"), ctk="q5_0")
     ledger = {item: (size, note) for item, size, note in q5.ledger}
-    assert (q5.profile.ctk, q5.profile.gpu_type, q5.profile.budget) == ("q5_0", "f16", f16.profile.budget)
+    # an f16 working set beside the summaries would break the 6x rule: the summaries stay in host RAM, and the
+    # plan says that selection then scores on the CPU and how to keep it on the GPU
+    assert (q5.profile.ctk, q5.profile.gpu_type, q5.profile.budget, q5.profile.score_on) == \
+        ("q5_0", "f16", _budget(16 * GiB, scored_on_gpu=False), "host")
+    assert f16.profile.score_on == "device"
+    assert any("selection scores on the CPU" in w and "--kvmem-gpu-type same" in w for w in q5.warnings)
+    assert ledger["block summaries"][0] == 0
+    assert "--kvmem-score-on" in argv.profile_args(q5.profile, "--kvmem-budget --kvmem-score-on", True, True)
     assert q5.profile.host_mib == 22528 * 262144 // 2**20 == 5632
     assert ledger["KV working set"] == (65536 * (43776 + 4096), "47872 tokens x 65536 B (f16/f16)")
     assert ledger["host KV pool"] == (5632 * 2**20, "262144 tokens x 22528 B (q5_0/q5_0)")
     same = planner.plan(qwen27b, hw("16G"), ctk="q5_0", gpu_type="same")
-    assert same.profile.gpu_type == "same" and same.profile.budget > 2.5 * q5.profile.budget
+    # (scored on the GPU, about 3x the tokens of an f16 working set scored there)
+    assert same.profile.gpu_type == "same" and same.profile.score_on == "device"
+    assert same.profile.budget == _budget(16 * GiB, 22528) > 2.5 * _budget(16 * GiB)
     assert dict((i, n) for i, _, n in same.ledger)["KV working set"].endswith("x 22528 B (q5_0/q5_0)")
     help_text = "--kvmem-budget --kvmem-host-mib --kvmem-gpu-type"
     assert "--kvmem-gpu-type" not in argv.profile_args(q5.profile, help_text, True, True)

@@ -215,6 +215,8 @@ def profile_args(profile: planner.Profile, help_text: str, tiering: bool, has_gp
         if profile.gpu_type == "same" and profile.ctk not in planner.UNQUANTIZED \
                 and supports(help_text, "--kvmem-gpu-type"):
             args += ["--kvmem-gpu-type", "same"]  # the plan's budget counts a quantized working set
+        if profile.score_on == "host" and supports(help_text, "--kvmem-score-on"):
+            args += ["--kvmem-score-on", "host"]  # the plan gave the summaries' VRAM to the working set
     if profile.draft_mtp and "draft-mtp" in help_text:
         args += ["--spec-type", "draft-mtp"]
     return args
