@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import shlex
+import statistics
 from pathlib import Path
 
 import click
 
 from kvmem_llama import plots
-from kvmem_llama.bench import append_results, cells, load_results, markdown_table, plot, ratios, run_one
+from kvmem_llama.bench import BenchResult, append_results, cells, load_results, markdown_table, plot, ratios, run_cell
 from kvmem_llama.cli.console import console
 from kvmem_llama.engine import lookup_engine
 
@@ -22,38 +23,59 @@ from kvmem_llama.engine import lookup_engine
 @click.option("--gen", "gen_tokens", default=1024, show_default=True,
               help="Tokens generated in turn 2 (decode tok/s over all of them, re-selections included).")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100),
-              help="Runs per (config, context), each with a fresh server; the report gives min and median.")
+              help="Repeats of turn 2 per (config, context): the turn-1 prefix + 512 new random tokens (other "
+                   "ones each repeat) + --gen tokens, all on one server after one prefill (its prompt cache keeps "
+                   "the prefix, so each repeat reads only the 512 new tokens). The report gives min and median.")
+@click.option("--fresh-servers", is_flag=True,
+              help="Start a fresh server, and so a fresh turn-1 prefill, for every repeat: independent prefill "
+                   "repeats, at the cost of a full prefill each.")
 @click.option("--server-args", default="", help="Extra llama-server flags for this configuration (one string).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
               show_default=True)
 @click.pass_context
 def bench(ctx: click.Context, engine: str | None, model: Path | None, config: str | None, contexts: str,
-          gen_tokens: int, repeats: int, server_args: str, out_dir: Path) -> None:
+          gen_tokens: int, repeats: int, fresh_servers: bool, server_args: str, out_dir: Path) -> None:
     """Measure prefill/decode speed, VRAM, host RSS and selection time at long contexts.
 
-    Turn 1 fills the context (prefill tok/s); turn 2 adds 512 tokens and generates --gen tokens at that
-    depth (decode tok/s, with every re-selection of a tiered engine inside it, and each one's ms).
-    Run once per configuration (same --out), then `kvmem bench report --out DIR`.
+    Per context one server: turn 1 fills the context (prefill tok/s, once); then each repeat is a turn 2
+    on the same prefix with 512 new tokens, generating --gen tokens at that depth (decode tok/s, with
+    every re-selection of a tiered engine inside it, and each one's ms, from that repeat's part of the
+    server log). One result row per repeat; prefill is one value per server (--fresh-servers: one server
+    per repeat). Run once per configuration (same --out), then `kvmem bench report --out DIR`.
     """
     if ctx.invoked_subcommand is not None:
         return
     if not (engine and model and config):
         raise click.UsageError("--engine, --model and --config are required")
     server = lookup_engine(engine).server
-    results = []
+    args = shlex.split(server_args)
     for context in [int(c) for c in contexts.split(",") if c.strip()]:
-        for repeat in range(repeats):
-            console.print(f"[dim]•[/] {config} @ {context:,} tokens, run {repeat + 1}/{repeats} …")
-            result = run_one(server, model, config, context, shlex.split(server_args), out_dir / "logs", gen_tokens,
-                             repeat=repeat)
+        results: list[BenchResult] = []
+
+        def record(result: BenchResult, context: int = context, results: list[BenchResult] = results) -> None:
             results.append(result)
             append_results(out_dir / "results.jsonl", [result])
             refresh = f", {len(result.refresh_ms)} re-selections" if result.refresh_ms else ""
+            shared = " (shared)" if result.prefill_shared else ""
             status = f"[red]{result.error[:200]}[/]" if result.error else (
-                f"prefill {result.prefill_tps:.0f} tok/s, decode {result.decode_tps:.1f} tok/s over "
-                f"{result.decode_tokens} tokens{refresh}, KV {result.kv_buffer_mib:.0f} MiB, "
-                f"peak VRAM {result.peak_vram_mib or 0:.0f} MiB")
-            console.print(f"  {config} @ {context:,}: {status}")
+                f"prefill {result.prefill_tps:.0f} tok/s{shared}, turn 2 read {result.turn2_prompt_tokens} tokens, "
+                f"decode {result.decode_tps:.1f} tok/s over {result.decode_tokens} tokens{refresh}, "
+                f"KV {result.kv_buffer_mib:.0f} MiB, peak VRAM {result.peak_vram_mib or 0:.0f} MiB")
+            console.print(f"  {config} @ {context:,} repeat {result.repeat + 1}/{repeats}: {status}")
+
+        if fresh_servers:
+            for repeat in range(repeats):
+                console.print(f"[dim]•[/] {config} @ {context:,} tokens, server {repeat + 1}/{repeats}: "
+                              "turn 1 + turn 2 …")
+                run_cell(server, model, config, context, args, out_dir / "logs", gen_tokens, 1,
+                         first_repeat=repeat, on_result=record)
+        else:
+            console.print(f"[dim]•[/] {config} @ {context:,} tokens: one server, turn 1 + {repeats} repeats of "
+                          "turn 2 …")
+            run_cell(server, model, config, context, args, out_dir / "logs", gen_tokens, repeats, on_result=record)
+        ok = [r.decode_tps for r in results if not r.error]
+        console.print(f"  {config} @ {context:,}: {len(ok)}/{repeats} repeats" + (
+            f", decode median {statistics.median(ok):.1f} tok/s" if ok else ""))
 
 
 @bench.command()

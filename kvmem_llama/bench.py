@@ -1,14 +1,27 @@
 """Long-context serving benchmark: one engine + server flags per configuration, several contexts.
 
-For each logical context N it starts llama-server (-c N + room), sends turn 1 (a prompt that fills
-the context less room for turn 2 and generation, 16 tokens generated) and turn 2 (512 more tokens on
-the same prefix, then `gen` tokens, 1,024 by default, EOS ignored). It records prefill tok/s (turn 1),
-decode tok/s over turn 2's whole generation at depth ~N (so the generation-time re-selections every
---kvmem-refresh tokens are paid inside it, as a user pays them), each re-selection's ms, the turn
-selections' ms and stage-in GB/s, peak GPU memory (nvidia-smi), the KV buffer the engine allocated
-(its log) and peak host RSS. Every cell runs `repeats` times, each with a fresh server; the report
-gives min and median. Prompts are random token ids: the numbers are about the mechanics, not about
-the model's answers (synthetic weights).
+For each logical context N one llama-server (-c N + room) serves a whole cell:
+- turn 1, once: a prompt that fills the context less room for turn 2 and generation (16 tokens
+  generated). It gives prefill tok/s, one value per server.
+- then `repeats` times the measured turn: turn 2 = the SAME turn-1 prefix (prompt + turn 1's
+  generated tokens) + 512 NEW random tokens (other ones each repeat, seeded), then `gen` tokens
+  generated, 1,024 by default, EOS ignored. The server's prompt cache (cache_prompt) keeps the
+  common prefix and drops the previous repeat's suffix, so each repeat reads only its 512 new
+  tokens (`turn2_prompt_tokens`, the server's timings.prompt_n, says so; `turn2_cached_tokens` the
+  prefix it reused) before decoding at depth ~N.
+Per repeat it records decode tok/s over the whole generation (the generation-time re-selections every
+--kvmem-refresh tokens are paid inside it, as a user pays them), turn 2's prompt tok/s, and from the
+part of the server log that this repeat wrote: each re-selection's ms (reason refresh/room), the turn
+selection's ms (reason=turn; a `fits=1` line, nothing to select, counts with 0 ms), its stage-in ms,
+GB/s and staged blocks. Per server: peak GPU memory (nvidia-smi), the KV buffer the engine allocated
+(its log) and peak host RSS.
+
+Results are one row per repeat (`repeat` 0..n-1), so the report's min and median are over repeats;
+the rows of one server share `server_run` and, with `prefill_shared`, the one turn-1 prefill
+(its tok/s and selections are copied into each row), so the report takes prefill min/median over
+distinct server runs only. `fresh_servers` keeps the older way, a server (and a prefill) per repeat,
+for independent prefill repeats at the cost of one prefill each. Prompts are random token ids: the
+numbers are about the mechanics, not about the model's answers (synthetic weights).
 """
 
 from __future__ import annotations
@@ -20,6 +33,8 @@ import shutil
 import subprocess
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,27 +48,45 @@ from kvmem_llama.serving.process import LOOPBACK, ServerProcess, free_port, llam
 TURN2_TOKENS = 512
 TURN1_GEN = 16  # turn 1 measures prefill; it generates only enough to end the turn
 KV_BUFFER = re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB")
+# llama-server's slot line once a request's last token is out (slot.release(), right after the reply):
+# every SELECT line of that request is in the log before it, so a repeat's log part ends there
+REQUEST_DONE = b"stop processing"
+REQUEST_DONE_WAIT_S = 10.0
+REFRESH_REASONS = ("refresh", "room")
+SELECTION_FIELDS = ("select_ms", "refresh_ms", "staged_in_blocks", "stage_ms", "stage_in_gbps", "prompt_select_ms")
 
 
 @dataclass
 class BenchResult:
+    """One repeat of the measured turn (turn 2). Rows with the same `server_run` came from one server and
+    share its turn 1: `prefill_tps`, `turn1` and `setup_s` are that one prefill's, copied into each row."""
+
     config: str
     context: int
     prompt_tokens: int
-    prefill_tps: float
+    prefill_tps: float  # turn 1 (once per server run)
     decode_tps: float  # turn 2's generation, re-selections included
     turn2_prompt_tps: float
-    peak_vram_mib: float | None
+    peak_vram_mib: float | None  # peak of the server run so far (whole device)
     kv_buffer_mib: float
-    host_rss_peak_mib: float
+    host_rss_peak_mib: float  # peak of the server run so far
     repeat: int = 0
     decode_tokens: int = 0
-    select_ms: list[float] = field(default_factory=list)  # selections at the end of a prompt (reason=turn)
+    server_run: str = ""  # one id per server (and so per turn-1 prefill)
+    prefill_shared: bool = False  # True: one prefill served several repeats, prefill_tps is not this repeat's own
+    turn2_prompt_tokens: int = 0  # prompt tokens turn 2 read (timings.prompt_n): ~512 when the prefix was reused
+    turn2_cached_tokens: int = 0  # prompt tokens taken from the server's prompt cache (timings.cache_n)
+    select_ms: list[float] = field(default_factory=list)  # turn 2's selections at the end of its prompt (reason=turn)
     refresh_ms: list[float] = field(default_factory=list)  # re-selections during generation (refresh, room)
-    staged_in_blocks: list[int] = field(default_factory=list)
-    stage_ms: list[float] = field(default_factory=list)  # the stage-in part of each selection
+    staged_in_blocks: list[int] = field(default_factory=list)  # of each turn selection
+    stage_ms: list[float] = field(default_factory=list)  # the stage-in part of each turn selection
     stage_in_gbps: list[float] = field(default_factory=list)  # staged bytes / stage-in time
-    wall_s: float = 0.0
+    prompt_select_ms: list[float] = field(default_factory=list)  # selections inside turn 2's prompt (reason=prefill)
+    # turn 1's selections (shared, like prefill_tps): select_ms, refresh_ms, staged_in_blocks, stage_ms,
+    # stage_in_gbps, prompt_select_ms, as above
+    turn1: dict = field(default_factory=dict)
+    setup_s: float = 0.0  # server start + turn 1 (shared by the rows of a server run)
+    wall_s: float = 0.0  # this repeat's turn 2
     error: str | None = None
 
 
@@ -88,8 +121,8 @@ class _Sampler(threading.Thread):
         self.join(timeout=5)
 
 
-def _complete(url: str, tokens: list[int], n_predict: int) -> dict:
-    reply = httpx.post(f"{url}/completion", timeout=3600, json={
+def _complete(http: httpx.Client, tokens: list[int], n_predict: int) -> dict:
+    reply = http.post("/completion", json={
         "prompt": tokens, "n_predict": n_predict, "temperature": 0, "ignore_eos": True,
         "cache_prompt": True, "samplers": ["top_k"], "top_k": 1, "return_tokens": True,
     })
@@ -98,13 +131,96 @@ def _complete(url: str, tokens: list[int], n_predict: int) -> dict:
     return reply.json()
 
 
-def run_one(server: Path, model: Path, config: str, context: int, server_args: list[str], log_dir: Path,
-            gen_tokens: int = 1024, port: int | None = None, seed: int = 0, ready_timeout: float = 600,
-            repeat: int = 0) -> BenchResult:
-    log_path = log_dir / f"{config}-{context}-r{repeat}.log"
+def _log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _log_part(path: Path, start: int, wait_for: bytes | None = None, timeout: float = REQUEST_DONE_WAIT_S
+              ) -> tuple[str, int]:
+    """The whole lines the log got from byte `start` on, and the offset after them. With `wait_for`, wait
+    (at most `timeout` s) until that text is among them: the log is written by the server's own thread."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            data = fh.read()
+        data = data[:data.rfind(b"\n") + 1]  # a line being written belongs to the next part
+        if wait_for is None or wait_for in data or time.monotonic() >= deadline:
+            return data.decode(errors="replace"), start + len(data)
+        time.sleep(0.05)
+
+
+def _block_bytes(text: str) -> int:
+    """K + V of one block over all tiered layers at f16 (2 bytes), from the ARMED line; 0 without one."""
+    block_bytes = 0
+    for line in text.splitlines():
+        if armed := parse_armed(line):
+            block_bytes = armed["block_tokens"] * armed["layers"] * armed["kv_heads"] * armed["head_dim"] * 2 * 2
+    return block_bytes
+
+
+def record_selections(text: str, result: BenchResult, block_bytes: int) -> None:
+    """Put the SELECT lines of one request's part of the log into `result`: reason refresh/room into
+    refresh_ms, prefill into prompt_select_ms, turn (or an engine that names no reason) into select_ms
+    with its stage-in. A `fits=1` line (the history fits, nothing selected) is a selection of 0 ms."""
+    for line in text.splitlines():
+        select = parse_select(line)
+        if select is None:
+            continue
+        reason = select.get("reason")
+        if reason in REFRESH_REASONS:
+            result.refresh_ms.append(float(select["ms"]))
+            continue
+        if reason == "prefill":
+            result.prompt_select_ms.append(float(select["ms"]))
+            continue
+        result.select_ms.append(float(select["ms"]))
+        result.staged_in_blocks.append(int(select["staged_in"]))
+        if "stage_ms" in select and "stage_mib" in select:
+            # engines that time the copies themselves (the bytes moved are the cache type's)
+            result.stage_ms.append(float(select["stage_ms"]))
+            if select["staged_in"] and select["stage_ms"] > 0:
+                gbps = float(select["stage_mib"]) * 2**20 / (float(select["stage_ms"]) / 1000) / 1e9
+                result.stage_in_gbps.append(round(gbps, 2))
+        elif block_bytes and select["staged_in"] and select["ms"] > 0:
+            gbps = select["staged_in"] * block_bytes / (select["ms"] / 1000) / 1e9
+            result.stage_in_gbps.append(round(gbps, 2))
+
+
+def _turn2_tokens(seed: int, context: int, repeat: int, top: int) -> list[int]:
+    """The 512 new tokens of one repeat's turn 2: other ones each repeat, the same ones each time it is run."""
+    rng = random.Random(f"turn2-{seed}-{context}-{repeat}")
+    return [rng.randrange(1000, top) for _ in range(TURN2_TOKENS)]
+
+
+def run_cell(server: Path, model: Path, config: str, context: int, server_args: list[str], log_dir: Path,
+             gen_tokens: int = 1024, repeats: int = 1, *, first_repeat: int = 0, port: int | None = None,
+             seed: int = 0, ready_timeout: float = 600,
+             on_result: Callable[[BenchResult], None] | None = None) -> list[BenchResult]:
+    """One server: turn 1 (the prefill) once, then `repeats` turn 2s on its prefix; one row per repeat,
+    numbered from `first_repeat`. `on_result` gets each row as soon as it is complete."""
+    repeat_ids = list(range(first_repeat, first_repeat + repeats))
+    name = f"r{repeat_ids[0]}" if repeats == 1 else f"r{repeat_ids[0]}-{repeat_ids[-1]}"
+    log_path = log_dir / f"{config}-{context}-{name}.log"
     log_dir.mkdir(parents=True, exist_ok=True)
     n_ctx = context + TURN2_TOKENS + TURN1_GEN + gen_tokens + 64
     args = ["-c", str(n_ctx), "-np", "1", "--no-webui", "-lv", "4", *server_args]  # -lv 4: the KV buffer sizes
+    run_id = f"{config}-{context}-{uuid.uuid4().hex[:8]}"
+    shared = repeats > 1
+    results: list[BenchResult] = []
+
+    def emit(result: BenchResult) -> None:
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+
+    def row(repeat: int) -> BenchResult:
+        return BenchResult(config, context, context - TURN1_GEN, 0.0, 0.0, 0.0, None, 0.0, 0.0, repeat=repeat,
+                           server_run=run_id, prefill_shared=shared)
+
     started = time.monotonic()
     port = port or free_port()  # a fixed default collides with a second bench or test run
     srv = ServerProcess.spawn(llama_server_argv(server, model, args, LOOPBACK, port), log_path,
@@ -112,52 +228,55 @@ def run_one(server: Path, model: Path, config: str, context: int, server_args: l
     assert srv.pid is not None
     sampler = _Sampler(srv.pid)
     sampler.start()
-    url = srv.url
-    rng = random.Random(seed + context)
-    result = BenchResult(config, context, context - TURN1_GEN, 0.0, 0.0, 0.0, None, 0.0, 0.0, repeat=repeat)
     try:
-        srv.wait_ready(ready_timeout)
-        n_vocab = int(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["meta"]["n_vocab"])
-        top = min(n_vocab - 1, 100_000)  # ordinary tokens, clear of special ones at the ends
-        prompt = [rng.randrange(1000, top) for _ in range(context - TURN1_GEN)]
-        first = _complete(url, prompt, TURN1_GEN)
-        turn2 = prompt + first.get("tokens", []) + [rng.randrange(1000, top) for _ in range(TURN2_TOKENS)]
-        second = _complete(url, turn2, gen_tokens)
-        result.prefill_tps = first["timings"]["prompt_per_second"]
-        result.decode_tps = second["timings"]["predicted_per_second"]
-        result.decode_tokens = int(second["timings"]["predicted_n"])
-        result.turn2_prompt_tps = second["timings"]["prompt_per_second"]
-    except (KvmemError, httpx.HTTPError, KeyError) as exc:
-        result.error = str(exc)[:1000]
+        with httpx.Client(base_url=srv.url, timeout=3600, trust_env=False) as http:
+            turn1_row = row(repeat_ids[0])
+            try:
+                srv.wait_ready(ready_timeout)
+                n_vocab = int(http.get("/v1/models", timeout=10).json()["data"][0]["meta"]["n_vocab"])
+                top = min(n_vocab - 1, 100_000)  # ordinary tokens, clear of special ones at the ends
+                rng = random.Random(seed + context)
+                prompt = [rng.randrange(1000, top) for _ in range(context - TURN1_GEN)]
+                first = _complete(http, prompt, TURN1_GEN)
+                prefix = prompt + first.get("tokens", [])
+                prefill_tps = float(first["timings"]["prompt_per_second"])
+            except (KvmemError, httpx.HTTPError, KeyError, ValueError) as exc:
+                turn1_row.error = str(exc)[:1000]
+            text, offset = _log_part(log_path, 0, None if turn1_row.error else REQUEST_DONE)
+            kv_buffer_mib = sum(float(m) for m in KV_BUFFER.findall(text))
+            block_bytes = _block_bytes(text)
+            record_selections(text, turn1_row, block_bytes)
+            turn1_selections = {key: getattr(turn1_row, key) for key in SELECTION_FIELDS}
+            setup_s = round(time.monotonic() - started, 1)
+            for repeat in repeat_ids:
+                result = row(repeat)
+                result.kv_buffer_mib, result.setup_s = kv_buffer_mib, setup_s
+                if turn1_row.error:
+                    result.error = turn1_row.error
+                else:
+                    result.prefill_tps = prefill_tps
+                    result.turn1 = {key: list(values) for key, values in turn1_selections.items()}
+                    t0 = time.monotonic()
+                    try:
+                        second = _complete(http, prefix + _turn2_tokens(seed, context, repeat, top), gen_tokens)
+                        timings = second["timings"]
+                        result.decode_tps = float(timings["predicted_per_second"])
+                        result.decode_tokens = int(timings["predicted_n"])
+                        result.turn2_prompt_tps = float(timings["prompt_per_second"])
+                        result.turn2_prompt_tokens = int(timings.get("prompt_n", 0))
+                        result.turn2_cached_tokens = int(timings.get("cache_n", 0))
+                    except (KvmemError, httpx.HTTPError, KeyError, ValueError) as exc:
+                        result.error = str(exc)[:1000]
+                    result.wall_s = round(time.monotonic() - t0, 1)
+                    text, offset = _log_part(log_path, offset, None if result.error else REQUEST_DONE)
+                    record_selections(text, result, block_bytes)
+                result.peak_vram_mib = sampler.peak_vram
+                result.host_rss_peak_mib = round(sampler.peak_rss, 1)
+                emit(result)
     finally:
         sampler.stop()
         srv.stop(timeout=30)
-    text = log_path.read_text(errors="replace")
-    result.kv_buffer_mib = sum(float(m) for m in KV_BUFFER.findall(text))
-    block_bytes = 0
-    for line in text.splitlines():
-        if armed := parse_armed(line):
-            # K + V of one block over all tiered layers, at f16 (2 bytes); quantized KV moves less
-            block_bytes = armed["block_tokens"] * armed["layers"] * armed["kv_heads"] * armed["head_dim"] * 2 * 2
-        select = parse_select(line)
-        if select and select.get("reason") in ("refresh", "room"):
-            result.refresh_ms.append(float(select["ms"]))
-        elif select:
-            result.select_ms.append(float(select["ms"]))
-            result.staged_in_blocks.append(int(select["staged_in"]))
-            if "stage_ms" in select and "stage_mib" in select:
-                # engines that time the copies themselves (the bytes moved are the cache type's)
-                result.stage_ms.append(float(select["stage_ms"]))
-                if select["staged_in"] and select["stage_ms"] > 0:
-                    gbps = float(select["stage_mib"]) * 2**20 / (float(select["stage_ms"]) / 1000) / 1e9
-                    result.stage_in_gbps.append(round(gbps, 2))
-            elif block_bytes and select["staged_in"] and select["ms"] > 0:
-                gbps = select["staged_in"] * block_bytes / (select["ms"] / 1000) / 1e9
-                result.stage_in_gbps.append(round(gbps, 2))
-    result.peak_vram_mib = sampler.peak_vram
-    result.host_rss_peak_mib = round(sampler.peak_rss, 1)
-    result.wall_s = round(time.monotonic() - started, 1)
-    return result
+    return results
 
 
 def append_results(path: Path, results: list[BenchResult]) -> None:
@@ -176,29 +295,50 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
+def _server_runs(rows: list[dict]) -> list[dict]:
+    """The first row of each server run: what a run measures once (turn 1's prefill). Rows without a
+    `server_run` (results of older versions, a server per repeat) are each a run of their own."""
+    runs: dict[str, dict] = {}
+    for i, r in enumerate(rows):
+        runs.setdefault(r.get("server_run") or f"row-{i}", r)
+    return list(runs.values())
+
+
 def cells(rows: list[dict]) -> list[dict]:
-    """One summary per (config, context): min and median over the repeats that did not fail."""
+    """One summary per (config, context): min and median over the repeats that did not fail; prefill over
+    distinct server runs only (the repeats of one server share its one prefill)."""
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in rows:
         groups.setdefault((r["config"], r["context"]), []).append(r)
     out = []
     for (config, context), runs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         ok = [r for r in runs if not r.get("error")]
+        servers = _server_runs(ok)
         cell: dict = {"config": config, "context": context, "repeats": len(ok), "failed": len(runs) - len(ok),
-                      "error": next((r["error"] for r in runs if r.get("error")), None)}
+                      "servers": len(servers), "error": next((r["error"] for r in runs if r.get("error")), None)}
         if ok:
-            for key in ("prefill_tps", "decode_tps"):
-                values = [r[key] for r in ok]
-                cell[f"{key}_min"], cell[f"{key}_median"] = min(values), _median(values)
+            prefill = [r["prefill_tps"] for r in servers]
+            cell["prefill_tps_min"], cell["prefill_tps_median"] = min(prefill), _median(prefill)
+            decode = [r["decode_tps"] for r in ok]
+            cell["decode_tps_min"], cell["decode_tps_median"] = min(decode), _median(decode)
             refresh = [ms for r in ok for ms in r.get("refresh_ms", [])]
             turns = [ms for r in ok for ms in r.get("select_ms", [])]
+            turn1 = [ms for r in servers for ms in r.get("turn1", {}).get("select_ms", [])]
+            turn1_gbps = [g for r in servers for g in r.get("turn1", {}).get("stage_in_gbps", [])]
+            stage = [ms for r in ok for ms in r.get("stage_ms", [])]
             gbps = [g for r in ok for g in r.get("stage_in_gbps", [])]
+            read = [r["turn2_prompt_tokens"] for r in ok if r.get("turn2_prompt_tokens")]
             cell["decode_tokens"] = max(r.get("decode_tokens", 0) for r in ok)
-            cell["refreshes_per_run"] = _median([len(r.get("refresh_ms", [])) for r in ok])
+            cell["turn2_prompt_tokens_max"] = max(read) if read else None
+            cell["refreshes_per_run"] = _median([len(r.get("refresh_ms", [])) for r in ok])  # per repeat
             cell["refresh_ms_median"] = _median(refresh) if refresh else None
             cell["refresh_ms_max"] = max(refresh) if refresh else None
             cell["turn_select_ms_median"] = _median(turns) if turns else None
+            cell["turn_select_ms_max"] = max(turns) if turns else None
+            cell["turn1_select_ms_median"] = _median(turn1) if turn1 else None
+            cell["stage_ms_median"] = _median(stage) if stage else None
             cell["stage_in_gbps_median"] = _median(gbps) if gbps else None
+            cell["turn1_stage_in_gbps_median"] = _median(turn1_gbps) if turn1_gbps else None
             cell["peak_vram_mib"] = max((r["peak_vram_mib"] or 0.0) for r in ok) or None
             cell["kv_buffer_mib"] = max(r["kv_buffer_mib"] for r in ok)
             cell["host_rss_peak_mib"] = max(r["host_rss_peak_mib"] for r in ok)
@@ -210,25 +350,41 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def _fmt_pair(median: float | None, top: float | None) -> str:
+    return "-" if median is None else f"{median:.1f} ({top:.1f})"
+
+
+TABLE_NOTE = ("runs: repeats of turn 2 that did not fail; servers: server runs among them, each with one turn-1 "
+              "prefill, so prefill min / median is over servers, every other column over repeats. turn-2 read: "
+              "the most prompt tokens a repeat's turn 2 read (~512 when the prompt cache kept the prefix). "
+              "turn select ms, stage ms and stage-in GB/s: turn 2's selections at the end of its prompt (medians over "
+              "repeats), GB/s in brackets turn 1's (over servers).")
+
+
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| config | context | runs | prefill tok/s min / median | decode tok/s min / median | generated "
-            "| refreshes | refresh ms median (max) | turn select ms | stage-in GB/s | peak VRAM MiB | KV buffer MiB "
-            "| host RSS MiB | note |\n|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|\n")
+    head = ("| config | context | runs | servers | prefill tok/s min / median | decode tok/s min / median | generated "
+            "| turn-2 read | refreshes | refresh ms median (max) | turn select ms median (max) | stage ms median "
+            "| stage-in GB/s (turn 1) | peak VRAM MiB | KV buffer MiB | host RSS MiB | note |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|\n")
     lines = []
     for c in cells(rows):
         note = (c["error"] or "")[:60]
         if not c["repeats"]:
-            lines.append(f"| {c['config']} | {c['context']:,} | 0 | - | - | - | - | - | - | - | - | - | - | {note} |")
+            lines.append(f"| {c['config']} | {c['context']:,} | 0 | 0 |" + " - |" * 12 + f" {note} |")
             continue
-        refresh = "-" if c["refresh_ms_median"] is None else \
-            f"{c['refresh_ms_median']:.1f} ({c['refresh_ms_max']:.1f})"
+        read = "-" if c["turn2_prompt_tokens_max"] is None else f"{c['turn2_prompt_tokens_max']:,}"
+        gbps = _fmt(c["stage_in_gbps_median"])
+        if c["turn1_stage_in_gbps_median"] is not None:
+            gbps += f" ({_fmt(c['turn1_stage_in_gbps_median'])})"
         lines.append(
-            f"| {c['config']} | {c['context']:,} | {c['repeats']} | {_fmt(c['prefill_tps_min'])} / "
+            f"| {c['config']} | {c['context']:,} | {c['repeats']} | {c['servers']} | {_fmt(c['prefill_tps_min'])} / "
             f"{_fmt(c['prefill_tps_median'])} | {_fmt(c['decode_tps_min'], 2)} / {_fmt(c['decode_tps_median'], 2)} | "
-            f"{c['decode_tokens']} | {c['refreshes_per_run']:g} | {refresh} | {_fmt(c['turn_select_ms_median'])} | "
-            f"{_fmt(c['stage_in_gbps_median'])} | {_fmt(c['peak_vram_mib'], 0)} | {_fmt(c['kv_buffer_mib'], 0)} | "
+            f"{c['decode_tokens']} | {read} | {c['refreshes_per_run']:g} | "
+            f"{_fmt_pair(c['refresh_ms_median'], c['refresh_ms_max'])} | "
+            f"{_fmt_pair(c['turn_select_ms_median'], c['turn_select_ms_max'])} | {_fmt(c['stage_ms_median'])} | "
+            f"{gbps} | {_fmt(c['peak_vram_mib'], 0)} | {_fmt(c['kv_buffer_mib'], 0)} | "
             f"{_fmt(c['host_rss_peak_mib'], 0)} | {note} |")
-    return head + "\n".join(lines) + "\n"
+    return head + "\n".join(lines) + "\n\n" + TABLE_NOTE + "\n"
 
 
 def ratios(rows: list[dict], baseline: str) -> list[dict]:

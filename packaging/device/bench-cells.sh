@@ -6,13 +6,17 @@
 # configs: upstream, tiering-off, tiering-on (--kvmem-budget 32768), tiering-on-q5 (-ctk/-ctv q5_0:
 # a q5_0 host pool under an f16 working set), tiering-on-q5-same (q5_0 on the GPU too), upstream-q5,
 # upstream-mtp and tiering-on-mtp (--spec-type draft-mtp on the model with the MTP head).
-# REPEATS (default 3) runs per cell, GEN (default 1024) tokens generated at depth.
+# REPEATS (default 3) repeats of turn 2 per cell, all on one server after one turn-1 prefill (the prompt
+# cache keeps the prefix: a repeat reads 512 new tokens, then generates); FRESH_SERVERS=1 starts a server,
+# and so a prefill, per repeat instead (independent prefill repeats, a full prefill each).
+# GEN (default 1024) tokens generated at depth. The console output of every cell goes to $OUT/bench-console.txt.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=/tmp/kv:/tmp/site PATH=/tmp/kv/bin:/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 MODEL=/tmp/qwen35-27b.gguf
 MODEL_MTP=/tmp/qwen35-27b-mtp.gguf
-for model in "$MODEL" "$MODEL_MTP"; do
+models="$MODEL"; case " $* " in *mtp*) models="$MODEL $MODEL_MTP" ;; esac  # the MTP file only for MTP cells
+for model in $models; do
   if [ ! -f "$model" ]; then
     mtp=""; [ "$model" = "$MODEL_MTP" ] && mtp="--mtp"
     start=$(date +%s)
@@ -35,8 +39,9 @@ for cell in "$@"; do
     *) echo "unknown config $config"; exit 2 ;;
   esac
   start=$(date +%s)
+  fresh=""; [ -n "${FRESH_SERVERS:-}" ] && [ "${FRESH_SERVERS}" != 0 ] && fresh="--fresh-servers"
   kvmem bench --engine "$engine" --model "$model" --config "$config" --contexts "$context" --gen "${GEN:-1024}" --repeats "${REPEATS:-3}" \
-    --server-args "$args" --out /tmp/bench | tail -2
+    $fresh --server-args "$args" --out /tmp/bench 2>&1 | tee -a "$OUT/bench-console.txt" | tail -2
   echo "cell $cell: $(( $(date +%s) - start )) s" | tee -a "$OUT/bench-notes.txt"
   cp /tmp/bench/results.jsonl "$OUT/"
   tar -czf "$OUT/bench-logs.tar.gz" -C /tmp/bench logs
