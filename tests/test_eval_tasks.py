@@ -88,6 +88,31 @@ def test_niah_answers_are_in_the_context_once(client: EvalClient) -> None:
     assert all(multi.prompt.count(v) == 1 for v in multi.expected) and len(set(multi.expected)) == 4
 
 
+@pytest.mark.parametrize("n_decoys", [4, 8, 16])
+def test_decoys_name_the_key_without_the_value(client: EvalClient, n_decoys: int) -> None:
+    s = fit_sample(f"niah_decoy{n_decoys}", 3000, 50, 0, 5, client.count_tokens)
+    context = s.prompt[slice(*s.context_span)]
+    key = re.search(r"special magic number for (\S+) mentioned", s.prompt).group(1)
+    assert context.count(s.expected[0]) == 1 and len(s.needle_offsets) == 1  # one needle holds the value
+    assert context.count(key) == n_decoys + 1  # the key recurs in every decoy
+    decoys = [m.start() for m in re.finditer(re.escape(key), context)]
+    depths = sorted(token_depth(client, s.prompt, s.context_span, s.context_span[0] + d) for d in decoys)
+    assert depths[-1] - depths[0] > 60  # spread over the haystack, not clustered at the needle
+    assert abs(token_depth(client, s.prompt, s.context_span, s.needle_offsets[0]) - 50) <= 4
+
+
+def test_two_hop_answer_needs_both_statements(client: EvalClient) -> None:
+    s = fit_sample("niah_twohop", 3000, 20, 0, 5, client.count_tokens)
+    first, second = (s.prompt[o:o + 120] for o in s.needle_offsets)
+    label = re.search(r"card labelled (\w+)\.", first).group(1)
+    key = re.search(r"special magic number for (\S+) is written", first).group(1)
+    assert second.startswith(f"The card labelled {label} reads: {s.expected[0]}.")
+    assert key in s.prompt[-300:] and label not in s.prompt[-300:]  # the question names the key only
+    depths = [token_depth(client, s.prompt, s.context_span, o) for o in s.needle_offsets]
+    assert abs(depths[0] - 20) <= 4 and abs(depths[1] - 70) <= 4  # half the context apart
+    assert len(s.answer_offsets) == 2  # the hit rate wants both blocks
+
+
 def test_cwe_common_words_are_the_most_frequent(client: EvalClient) -> None:
     s = fit_sample("cwe", 3000, None, 0, 5, client.count_tokens)
     assert s.depth is None

@@ -8,7 +8,7 @@ comparison sees exactly the same prompts, and the depths of one sample share the
 `niah_followup` is a two-request chat: its first user turn (a document, answered but not
 scored) is `Sample.history`, the scored second turn is `Sample.prompt`.
 
-One module on purpose (~440 lines): the eight generators share the haystack, the needle placement,
+One module on purpose (~520 lines): the twelve generators share the haystack, the needle placement,
 the seeding rule and the length fitting; split per task, each file would carry those rules again.
 """
 
@@ -239,6 +239,69 @@ def _niah(kind: str, n_keys: int = 1, n_values: int = 1, n_queries: int = 1) -> 
     return build
 
 
+# sentences that name a needle's key and its "special magic number" without a value, worded unlike the needle:
+# what real text does when the question's words recur where the answer is not
+DECOYS = (
+    "Nobody in this chapter wrote down the special magic number for {key}.",
+    "People often ask about {key} and its special magic number, but the answer is not given here.",
+    "The special magic number for {key} was mentioned in a meeting, and everyone forgot it at once.",
+    "Remember that {key} has a special magic number; this paragraph does not reveal it.",
+    "Some say the special magic number for {key} changes every year.",
+    "A note about {key}: its special magic number is kept somewhere else in the text.",
+)
+TWO_HOP_FIRST = "The special magic number for {key} is written on the card labelled {label}."
+TWO_HOP_SECOND = "The card labelled {label} reads: {value}."
+
+
+def _decoy_fracs(rng: random.Random, count: int, depth: int | None) -> list[float]:
+    """`count` positions spread over the context (one per equal slice, jittered), clear of the needle's depth."""
+    center = (depth if depth is not None else 50) / 100
+    fracs = []
+    for i in range(count):
+        f = (i + rng.uniform(0.1, 0.9)) / count
+        if abs(f - center) < 0.03:
+            f = center + (0.03 if f >= center else -0.03)
+        fracs.append(min(max(f, 0.0), 1.0))
+    return fracs
+
+
+def _niah_decoys(n_decoys: int) -> Callable:
+    """One needle in essay text plus `n_decoys` sentences that repeat its key and phrase without the value."""
+
+    def build(rng: random.Random, n: int, depth: int | None, length: int) -> Built:
+        (key,) = _keys(rng, 1)
+        value = _number(rng)
+        decoys = [rng.choice(DECOYS).format(key=key) for _ in range(n_decoys)]
+        fracs = _decoy_fracs(rng, n_decoys, depth)
+        words = _haystack(rng, "essay", n)
+        text, at = _target(key, value)
+        needles: list[tuple[float, str, int | None]] = [((depth if depth is not None else 50) / 100, text, at)]
+        needles += [(f, d, None) for f, d in zip(fracs, decoys, strict=True)]
+        context, offsets, answers = _fill(words, needles)
+        return _render(NIAH_TEMPLATE, context, _ask([key]), offsets, [value], answers)
+
+    return build
+
+
+def _two_hop(rng: random.Random, n: int, depth: int | None, length: int) -> Built:
+    """The answer needs two blocks: the key's card label at `depth`, and far from it what that card reads."""
+    (key,) = _keys(rng, 1)
+    label = "".join(rng.choice(string.ascii_uppercase) for _ in range(3)) + _number(rng, 3)
+    value = _number(rng)
+    center = (depth if depth is not None else 50) / 100
+    other = (center + 0.5) % 1.0  # half the context away
+    words = _haystack(rng, "essay", n)
+    first = TWO_HOP_FIRST.format(key=key, label=label)
+    second = TWO_HOP_SECOND.format(label=label, value=value)
+    # both statements are targets (the hit rate wants both blocks); the label answers the first hop
+    needles = [(center, first, first.rindex(label)), (other, second, second.rindex(value))]
+    context, offsets, answers = _fill(words, needles)
+    question = (f"What is the special magic number for {key} mentioned in the provided text? (It is written on a "
+                f"card; give what the card reads.) The special magic number for {key} mentioned in the provided "
+                "text is")
+    return _render(NIAH_TEMPLATE, context, question, offsets, [value], answers)
+
+
 def _var_name(rng: random.Random) -> str:
     return "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
 
@@ -319,6 +382,10 @@ TASKS: dict[str, Task] = {t.name: t for t in (
          _niah("essay", n_keys=4, n_queries=4), 96),
     Task("niah_followup", "two requests: document A, then document B with the needle + the question "
          "(the follow-up prompt path, prompt cache reused)", _followup, 32, history_max_tokens=16),
+    Task("niah_decoy4", "one needle + 4 sentences naming its key without the value, essay", _niah_decoys(4), 32),
+    Task("niah_decoy8", "one needle + 8 sentences naming its key without the value, essay", _niah_decoys(8), 32),
+    Task("niah_decoy16", "one needle + 16 sentences naming its key without the value, essay", _niah_decoys(16), 32),
+    Task("niah_twohop", "two facts far apart: the key's card label, then what that card reads", _two_hop, 32),
     Task("vt", "variable tracking: a 4-hop chain of VAR X = VAR Y in filler", _vt, 96),
     Task("cwe", "common-words extraction: the 10 most frequent words of a numbered list", _cwe, 128,
          uses_depth=False),
@@ -329,6 +396,7 @@ ALIASES = {
     "niah": ["niah_single_noise", "niah_single_essay", "niah_multikey", "niah_multivalue", "niah_multiquery",
              "niah_followup"],
     "followup": ["niah_followup"],
+    "decoys": ["niah_decoy4", "niah_decoy8", "niah_decoy16"],
     "variable_tracking": ["vt"],
     "common_words": ["cwe"],
     "all": list(TASKS),
