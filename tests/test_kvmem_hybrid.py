@@ -184,3 +184,27 @@ def test_a_full_host_pool_frees_idle_slots_like_a_full_kv_cache(llama_server, sm
     assert first["tokens_evaluated"] + second["tokens_evaluated"] > 4096
     assert "purging slot" in log
     assert "5550123" in second["content"]
+
+
+@pytest.mark.parametrize("method", ["mass", "hybrid"])
+def test_the_graph_scorer_keeps_the_blocks_the_host_scorer_keeps(llama_server, smollm2, method) -> None:
+    """`--kvmem-score-on device` scores with the ggml graph over f16 summaries on the working set's backend (the
+    CPU backend here, CUDA on a GPU: the same graph); `host` with the host scorer over f32 summaries. On one prompt
+    with a question, every selection (the turn's and the refreshes during generation) leaves the same blocks
+    resident, and the greedy answers are the same."""
+    prompt = haystack_prompt(500, 0.35, "Vega", "5120374").replace("The grass is green.", essay(1)) + " " + essay(40)
+    runs = {}
+    for where in ("host", "device"):
+        args = ["-c", "4096", "-np", "1", "-t", "1", "--kvmem-budget", "768", "--kvmem-refresh", "16",
+                "--kvmem-method", method, "--kvmem-score-on", where, "--kvmem-trace", *SMALL]
+        with llama_server(smollm2, args) as srv:
+            out = complete(srv.url, prompt, n_predict=48, ignore_eos=True)
+            runs[where] = (out, srv.log())
+    (host_out, host_log), (dev_out, dev_log) = runs["host"], runs["device"]
+    assert kvmem_log.armed(host_log)["score_on"] == "host" and kvmem_log.armed(dev_log)["score_on"] == "CPU"
+    host_res = [(r["reason"], r["blocks"]) for r in kvmem_log.residents(host_log)]
+    dev_res = [(r["reason"], r["blocks"]) for r in kvmem_log.residents(dev_log)]
+    assert len(host_res) >= 3 and any(reason == "refresh" for reason, _ in host_res), host_res
+    assert all(s["scored"] > 0 for s in kvmem_log.selects(dev_log))
+    assert dev_res == host_res
+    assert dev_out["content"] == host_out["content"]

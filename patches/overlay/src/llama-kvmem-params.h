@@ -33,8 +33,9 @@ enum llama_kvmem_gpu_type_e {
 
 // where the block summaries live and selection scores them (mass, hybrid)
 enum llama_kvmem_score_on_e {
-    LLAMA_KVMEM_SCORE_ON_DEVICE = 0, // the working set's device (VRAM on a GPU): only the chosen blocks come back
-    LLAMA_KVMEM_SCORE_ON_HOST   = 1, // host RAM, scored on the CPU (when VRAM is short: ~4 KiB per history token on a 27B)
+    LLAMA_KVMEM_SCORE_ON_AUTO   = 0, // device when the working set is on a device (a GPU), else host
+    LLAMA_KVMEM_SCORE_ON_DEVICE = 1, // the working set's backend (VRAM on a GPU, the CPU backend otherwise): a ggml graph
+    LLAMA_KVMEM_SCORE_ON_HOST   = 2, // host RAM, the host scorer (when VRAM is short: ~4 KiB per history token on a 27B)
 };
 
 struct llama_kvmem_params {
@@ -49,7 +50,7 @@ struct llama_kvmem_params {
     int32_t  method       = LLAMA_KVMEM_METHOD_RETRIEVAL;
     int32_t  prefill      = LLAMA_KVMEM_PREFILL_WINDOW;
     int32_t  gpu_type     = LLAMA_KVMEM_GPU_TYPE_F16;
-    int32_t  score_on     = LLAMA_KVMEM_SCORE_ON_DEVICE;
+    int32_t  score_on     = LLAMA_KVMEM_SCORE_ON_AUTO;
     bool     trace        = false;
     uint32_t n_threads    = 1;   // the context's threads (the host-side scorer uses as many)
 

@@ -63,7 +63,7 @@ static std::string kvmem_params_error(const llama_kvmem_params & kp) {
     if (kp.gpu_type != LLAMA_KVMEM_GPU_TYPE_F16 && kp.gpu_type != LLAMA_KVMEM_GPU_TYPE_SAME) {
         return format("--kvmem-gpu-type %d is unknown", kp.gpu_type);
     }
-    if (kp.score_on != LLAMA_KVMEM_SCORE_ON_DEVICE && kp.score_on != LLAMA_KVMEM_SCORE_ON_HOST) {
+    if (kp.score_on < LLAMA_KVMEM_SCORE_ON_AUTO || kp.score_on > LLAMA_KVMEM_SCORE_ON_HOST) {
         return format("--kvmem-score-on %d is unknown", kp.score_on);
     }
     return "";
@@ -264,12 +264,22 @@ void llama_kvmem_cache::init_summaries() {
     if (leader || (m != LLAMA_KVMEM_METHOD_MASS && m != LLAMA_KVMEM_METHOD_HYBRID)) {
         return; // followers select nothing; the other methods are host-side ablations
     }
-    // on a device next to the working set; in host memory the host scorer is the faster one (a ggml graph of many
-    // small nodes pays a thread barrier per node)
-    score_backend = kp.score_on == LLAMA_KVMEM_SCORE_ON_DEVICE ? copier.device_backend() : nullptr;
+    // auto: on a device next to the working set; with the working set in host memory the host scorer is the faster
+    // one (a ggml graph of many small nodes pays a thread barrier per node), but `device` runs the graph there too
+    score_backend = kp.score_on == LLAMA_KVMEM_SCORE_ON_HOST ? nullptr : copier.device_backend();
+    if (!score_backend && kp.score_on == LLAMA_KVMEM_SCORE_ON_DEVICE) {
+        ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        own_score_backend = cpu ? ggml_backend_dev_init(cpu, nullptr) : nullptr;
+        GGML_ASSERT(own_score_backend && "kvmem: no CPU backend to score on");
+        auto * set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+                ggml_backend_dev_backend_reg(cpu), "ggml_backend_set_n_threads");
+        if (set_threads) {
+            set_threads(own_score_backend, (int) kp.n_threads);
+        }
+        score_backend = own_score_backend;
+    }
     if (!score_backend) {
-        LLAMA_LOG_INFO("%s: block summaries in host RAM, scored on the CPU%s\n", __func__,
-                kp.score_on == LLAMA_KVMEM_SCORE_ON_HOST ? " (--kvmem-score-on host)" : "");
+        LLAMA_LOG_INFO("%s: block summaries in host RAM, scored on the CPU\n", __func__);
         return;
     }
     summaries = std::make_unique<kvmem_summary_store>();
@@ -291,6 +301,9 @@ llama_kvmem_cache::~llama_kvmem_cache() {
     copier.wait();
     graph_scorer.reset();
     summaries.reset();
+    if (own_score_backend) {
+        ggml_backend_free(own_score_backend);
+    }
 }
 
 //

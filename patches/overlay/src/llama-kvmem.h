@@ -201,7 +201,8 @@ private:
     uint32_t stage_hint = 0; // cell where the next search for free cells starts
 
     // mass and hybrid score on the backend of the working set (llama-kvmem-summaries.h); other methods on the host
-    ggml_backend_t score_backend = nullptr;      // the copier's device backend; nullptr: the host scorer
+    ggml_backend_t score_backend = nullptr;      // the copier's device backend, or own_score_backend; nullptr: the host scorer
+    ggml_backend_t own_score_backend = nullptr;  // a CPU backend for --kvmem-score-on device without a device
     std::unique_ptr<kvmem_summary_store> summaries;
     std::unique_ptr<kvmem_graph_scorer>  graph_scorer;
     void init_summaries();
