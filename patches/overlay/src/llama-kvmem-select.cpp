@@ -118,24 +118,6 @@ static std::vector<std::pair<float, int32_t>> kvmem_rank_blocks(const kvmem_seq 
     return ranked;
 }
 
-// blocks whose lexical score is within this share of the best one share the question's words about as much: the
-// words recur (a name used in many places), and the words cannot tell the block that answers from the others
-static constexpr float KVMEM_LEXICAL_TIE = 0.8f;
-
-void kvmem_order_lexical_ties(std::vector<std::pair<float, int32_t>> & lex, const std::map<int32_t, float> & att) {
-    if (lex.size() < 2) {
-        return;
-    }
-    const float bar = KVMEM_LEXICAL_TIE*lex[0].first;
-    const auto end = std::find_if(lex.begin(), lex.end(), [bar](const auto & e) { return e.first < bar; });
-    const auto attention = [&att](int32_t b) {
-        const auto it = att.find(b);
-        return it == att.end() ? -1.0f : it->second;
-    };
-    // among them, the question's attention decides (lexical order where it has no score)
-    std::stable_sort(lex.begin(), end, [&](const auto & a, const auto & b) { return attention(a.second) > attention(b.second); });
-}
-
 kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, uint32_t share, kvmem_reason reason,
         const kvmem_scorer & scorer, const kvmem_score_fn & score_fn, uint32_t query_tokens, bool trace,
         llama_seq_id seq_id) {
@@ -158,7 +140,6 @@ kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, 
     for (const auto & [score, b] : ranked) {
         att[b] = score;
     }
-    kvmem_order_lexical_ties(lex, att);
     size_t ia = 0, il = 0, n_order = 0;
     bool lex_turn = false;
     while (plan.target.size() < cap && (ia < ranked.size() || il < lex.size())) {

@@ -32,9 +32,6 @@ using kvmem_score_fn = std::function<void(const std::vector<int32_t> & ids, cons
 // the host scorer over the sequence's host summaries
 kvmem_score_fn kvmem_host_scores(const kvmem_seq & st, const kvmem_scorer & scorer);
 
-// lexical picks (best first) whose scores nearly tie with the best one are ordered by attention score (att)
-void kvmem_order_lexical_ties(std::vector<std::pair<float, int32_t>> & lex, const std::map<int32_t, float> & att);
-
 // sink + question + recent + top-k by score until `share` blocks (one of them the partial tail); inside a
 // prompt the picks take at most half of what the sink and the recent window leave. hybrid: every other pick is
 // the next block that shares the question's rare words (attention first). trace: log every pick.

@@ -73,14 +73,6 @@ KV_SUITE(plan) {
     p = kvmem_plan_selection(GEOM, pre, 6, kvmem_reason::PREFILL, mass, kvmem_host_scores(pre, mass), 128, false, 0);
     KV_CHECK(p.n_question == 0 && p.target.size() == 2 + (5 - 2)/2 && p.target.count(4));
 
-    // lexical near-ties (a recurring name) are ordered by attention; a clear lexical winner keeps its place
-    std::vector<std::pair<float, int32_t>> lex = { { 10.0f, 3 }, { 9.5f, 7 }, { 9.0f, 5 }, { 4.0f, 2 } };
-    kvmem_order_lexical_ties(lex, { { 3, 0.1f }, { 7, 0.2f }, { 5, 0.9f }, { 2, 5.0f } });
-    KV_CHECK(lex[0].second == 5 && lex[1].second == 7 && lex[2].second == 3 && lex[3].second == 2);
-    std::vector<std::pair<float, int32_t>> clear = { { 10.0f, 3 }, { 5.0f, 7 } };
-    kvmem_order_lexical_ties(clear, { { 3, 0.1f }, { 7, 0.9f } });
-    KV_CHECK(clear[0].second == 3);
-
     // recency: the newest blocks, no picks
     const kvmem_scorer recency(DIMS, LLAMA_KVMEM_METHOD_RECENCY);
     kvmem_seq rec = make_history(mass, 4);
