@@ -42,15 +42,14 @@ import httpx
 import psutil
 
 from kvmem_llama.errors import KvmemError
+from kvmem_llama.evaluation.records import ServerLog
 from kvmem_llama.kvmem_log import parse_armed, parse_select
 from kvmem_llama.serving.process import LOOPBACK, ServerProcess, free_port, llama_server_argv
 
 TURN2_TOKENS = 512
 TURN1_GEN = 16  # turn 1 measures prefill; it generates only enough to end the turn
 KV_BUFFER = re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB")
-# llama-server's slot line once a request's last token is out (slot.release(), right after the reply):
-# every SELECT line of that request is in the log before it, so a repeat's log part ends there
-REQUEST_DONE = b"stop processing"
+# how long a request's part of the log may take to get its end-of-request line (the server's own thread writes it)
 REQUEST_DONE_WAIT_S = 10.0
 REFRESH_REASONS = ("refresh", "room")
 SELECTION_FIELDS = ("select_ms", "refresh_ms", "staged_in_blocks", "stage_ms", "stage_in_gbps", "prompt_select_ms")
@@ -131,28 +130,6 @@ def _complete(http: httpx.Client, tokens: list[int], n_predict: int) -> dict:
     return reply.json()
 
 
-def _log_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _log_part(path: Path, start: int, wait_for: bytes | None = None, timeout: float = REQUEST_DONE_WAIT_S
-              ) -> tuple[str, int]:
-    """The whole lines the log got from byte `start` on, and the offset after them. With `wait_for`, wait
-    (at most `timeout` s) until that text is among them: the log is written by the server's own thread."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with open(path, "rb") as fh:
-            fh.seek(start)
-            data = fh.read()
-        data = data[:data.rfind(b"\n") + 1]  # a line being written belongs to the next part
-        if wait_for is None or wait_for in data or time.monotonic() >= deadline:
-            return data.decode(errors="replace"), start + len(data)
-        time.sleep(0.05)
-
-
 def _block_bytes(text: str) -> int:
     """K + V of one block over all tiered layers at f16 (2 bytes), from the ARMED line; 0 without one."""
     block_bytes = 0
@@ -231,18 +208,23 @@ def run_cell(server: Path, model: Path, config: str, context: int, server_args: 
     try:
         with httpx.Client(base_url=srv.url, timeout=3600, trust_env=False) as http:
             turn1_row = row(repeat_ids[0])
+            log = ServerLog(log_path)
+            turn1_start = 0
             try:
                 srv.wait_ready(ready_timeout)
                 n_vocab = int(http.get("/v1/models", timeout=10).json()["data"][0]["meta"]["n_vocab"])
                 top = min(n_vocab - 1, 100_000)  # ordinary tokens, clear of special ones at the ends
                 rng = random.Random(seed + context)
                 prompt = [rng.randrange(1000, top) for _ in range(context - TURN1_GEN)]
+                turn1_start = log.size()
                 first = _complete(http, prompt, TURN1_GEN)
                 prefix = prompt + first.get("tokens", [])
                 prefill_tps = float(first["timings"]["prompt_per_second"])
             except (KvmemError, httpx.HTTPError, KeyError, ValueError) as exc:
                 turn1_row.error = str(exc)[:1000]
-            text, offset = _log_part(log_path, 0, None if turn1_row.error else REQUEST_DONE)
+            # the whole log so far (start-up: ARMED, the KV buffers), once turn 1's end-of-request line is in
+            log.segment(turn1_start, settle=0.0 if turn1_row.error else REQUEST_DONE_WAIT_S)
+            text = log.read(0)
             kv_buffer_mib = sum(float(m) for m in KV_BUFFER.findall(text))
             block_bytes = _block_bytes(text)
             record_selections(text, turn1_row, block_bytes)
@@ -257,6 +239,7 @@ def run_cell(server: Path, model: Path, config: str, context: int, server_args: 
                     result.prefill_tps = prefill_tps
                     result.turn1 = {key: list(values) for key, values in turn1_selections.items()}
                     t0 = time.monotonic()
+                    start = log.size()
                     try:
                         second = _complete(http, prefix + _turn2_tokens(seed, context, repeat, top), gen_tokens)
                         timings = second["timings"]
@@ -268,7 +251,7 @@ def run_cell(server: Path, model: Path, config: str, context: int, server_args: 
                     except (KvmemError, httpx.HTTPError, KeyError, ValueError) as exc:
                         result.error = str(exc)[:1000]
                     result.wall_s = round(time.monotonic() - t0, 1)
-                    text, offset = _log_part(log_path, offset, None if result.error else REQUEST_DONE)
+                    text = log.segment(start, settle=0.0 if result.error else REQUEST_DONE_WAIT_S)
                     record_selections(text, result, block_bytes)
                 result.peak_vram_mib = sampler.peak_vram
                 result.host_rss_peak_mib = round(sampler.peak_rss, 1)
