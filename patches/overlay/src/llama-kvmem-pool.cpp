@@ -66,6 +66,18 @@ const char * kvmem_host_pool::buffer_name() const {
 // copies
 //
 
+ggml_backend_t kvmem_cpu_backend(int n_threads) {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    ggml_backend_t be = cpu ? ggml_backend_dev_init(cpu, nullptr) : nullptr;
+    // the CPU backend is a loadable module: its thread setter is found through the registry
+    auto * set_threads = be ? (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+            ggml_backend_dev_backend_reg(cpu), "ggml_backend_set_n_threads") : nullptr;
+    if (set_threads) {
+        set_threads(be, n_threads);
+    }
+    return be;
+}
+
 // staging memory on the working set's backend: 16 blocks of a 27B model's 16 attention layers in f16
 static constexpr size_t KVMEM_STAGING_BYTES = (size_t) 64 << 20;
 
@@ -118,16 +130,9 @@ void kvmem_copier::init_stager() {
         if (!converts(false) && !converts(true)) {
             return; // host memory of the same type: plain copies
         }
-        ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-        own_cpu = cpu ? ggml_backend_dev_init(cpu, nullptr) : nullptr;
+        own_cpu = kvmem_cpu_backend(1); // get_rows and set_rows run on one thread: more would wait at barriers
         if (!own_cpu) {
             return;
-        }
-        // get_rows and set_rows run on one thread: more would only wait at the barrier between them
-        auto * set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
-                ggml_backend_dev_backend_reg(cpu), "ggml_backend_set_n_threads");
-        if (set_threads) {
-            set_threads(own_cpu, 1);
         }
         be = own_cpu;
     }

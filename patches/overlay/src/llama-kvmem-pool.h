@@ -63,6 +63,9 @@ private:
 // the host (layers split over devices and host memory)
 class kvmem_stager;
 
+// a CPU backend of our own with n_threads (nullptr without a CPU device); the caller frees it
+ggml_backend_t kvmem_cpu_backend(int n_threads);
+
 class kvmem_copier {
 public:
     kvmem_copier(); // out of line, where kvmem_stager is complete

@@ -268,14 +268,8 @@ void llama_kvmem_cache::init_summaries() {
     // one (a ggml graph of many small nodes pays a thread barrier per node), but `device` runs the graph there too
     score_backend = kp.score_on == LLAMA_KVMEM_SCORE_ON_HOST ? nullptr : copier.device_backend();
     if (!score_backend && kp.score_on == LLAMA_KVMEM_SCORE_ON_DEVICE) {
-        ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-        own_score_backend = cpu ? ggml_backend_dev_init(cpu, nullptr) : nullptr;
+        own_score_backend = kvmem_cpu_backend((int) kp.n_threads);
         GGML_ASSERT(own_score_backend && "kvmem: no CPU backend to score on");
-        auto * set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
-                ggml_backend_dev_backend_reg(cpu), "ggml_backend_set_n_threads");
-        if (set_threads) {
-            set_threads(own_score_backend, (int) kp.n_threads);
-        }
         score_backend = own_score_backend;
     }
     if (!score_backend) {
