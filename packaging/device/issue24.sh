@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Issue 24 on the H200 in one background job: build our sm_90 engine and the unpatched pin (default FA quants,
-# no web UI), run the stager/scorer suites on CUDA0, then the bench cells; each call returns at once.
+# Issue 24 on the H200 in one background job: build our sm_90 engine (default FA quants, no web UI; UPSTREAM=1
+# builds the unpatched pin too), run the stager/scorer suites on CUDA0, then the bench cells, most wanted first.
 #   call 1:    bash packaging/device/issue24.sh start     (carry: [".whl", ".kvmem"]; fill them with stage)
-#   calls 2..: bash packaging/device/issue24.sh poll      (what is done so far comes back in $OUT)
+#   calls 2..: bash packaging/device/issue24.sh wait 540  (returns when a step lands, the job ends, or after 540 s;
+#              what is done so far comes back in $OUT; issue the next call within the machine's 30 s idle window)
 #   here:      bash packaging/device/issue24.sh stage     (wheels, both source packs, the qwen35 vocabulary)
 # CELLS overrides the bench cells (CONTEXT:CONFIG, see bench-cells.sh); REPEATS (3) turns per cell on one prefill.
 set -uo pipefail
-CELLS=${CELLS:-"32768:tiering-on 261400:tiering-on 261400:tiering-off 32768:tiering-off 4096:tiering-on \
-4096:tiering-off 261400:tiering-on-q5 131072:tiering-on 131072:tiering-off 261400:upstream 32768:upstream \
-4096:upstream 261400:tiering-on-q5-same"}
+CELLS=${CELLS:-"32768:tiering-on 4096:tiering-on 4096:tiering-off 261400:tiering-on 261400:tiering-off \
+261400:tiering-on-q5 32768:tiering-off 131072:tiering-on 131072:tiering-off 261400:tiering-on-q5-same"}
 case "${1:-}" in
 stage)
   cd "$(dirname "$0")/../.."
@@ -28,7 +28,7 @@ run)
   . packaging/device/setup-env.sh
   export PATH=/tmp/site/bin:$PATH
   { nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv; nproc; command -v ccache; } | tee "$OUT/host.txt"
-  for flavour in "" "--upstream"; do
+  for flavour in "" ${UPSTREAM:+--upstream}; do
     start=$(date +%s)
     kvmem build --sm 90 -j "$(nproc)" --fa-quants default --no-ui $flavour 2>&1 | tail -3
     echo "build ${flavour:-ours}: $(( $(date +%s) - start )) s" | tee -a "$OUT/host.txt"
@@ -36,13 +36,20 @@ run)
   kvmem engines --json > "$OUT/engines.json"
   # the stager's and the scorer's graphs on CUDA against the host's results (test-kvmem, built in the CUDA tree)
   build=$(for d in ~/.cache/kvmem/trees/*/build-cu*; do [ -f "$d/../src/tests/kvmem-tests.cmake" ] && echo "$d"; done | head -1)
-  cmake -B "$build" -DKVMEM_BUILD_TESTS=ON >/dev/null && ninja -C "$build" test-kvmem 2>&1 | tail -1
+  cmake -B "$build" -DKVMEM_BUILD_TESTS=ON >/dev/null && ninja -C "$build" test-kvmem 2>&1 | tail -3
   for suite in stager summaries; do KVMEM_TEST_DEVICE=CUDA0 "$build/bin/test-kvmem" $suite 2>&1 | grep -v load_backend; done | tee "$OUT/cuda-suites.txt"
   # shellcheck disable=SC2086
   REPEATS=${REPEATS:-3} bash packaging/device/bench-cells.sh $CELLS
   echo "ALL DONE" ;;
+wait)
+  landed() { cat /tmp/out/host.txt /tmp/out/bench-notes.txt /tmp/out/cuda-suites.txt 2>/dev/null | wc -l; }
+  before=$(landed); deadline=$(( $(date +%s) + ${2:-540} ))
+  while [ "$(date +%s)" -lt "$deadline" ] && [ "$(landed)" = "$before" ] && pgrep -f "issue24.sh run" >/dev/null; do
+    sleep 5
+  done
+  exec bash "$0" poll ;;
 poll)
   cp -r /tmp/out/. "$OUT"/ 2>/dev/null
   tail -n "${LINES_BACK:-25}" /tmp/out/run.log; grep -h "^cell " /tmp/out/bench-notes.txt 2>/dev/null ;;
-*) echo "usage: $0 stage|start|poll"; exit 2 ;;
+*) echo "usage: $0 stage|start|wait [SECONDS]|poll"; exit 2 ;;
 esac
