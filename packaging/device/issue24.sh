@@ -35,8 +35,10 @@ run)
   done
   kvmem engines --json > "$OUT/engines.json"
   # the stager's and the scorer's graphs on CUDA against the host's results (test-kvmem, built in the CUDA tree)
-  build=$(for d in ~/.cache/kvmem/trees/*/build-cu*; do [ -f "$d/../src/tests/kvmem-tests.cmake" ] && echo "$d"; done | head -1)
-  cmake -B "$build" -DKVMEM_BUILD_TESTS=ON >/dev/null && ninja -C "$build" test-kvmem 2>&1 | tail -3
+  # (a source pack carries no tests/ folder: the overlay's test files are copied into the unpacked tree)
+  build=$(ls -d ~/.cache/kvmem/trees/*/build-cuda-* | head -1); src=$(dirname "$build")/src
+  mkdir -p "$src/tests" && cp -rn patches/overlay/tests/. "$src/tests/"
+  cmake -S "$src" -B "$build" -DKVMEM_BUILD_TESTS=ON >/dev/null && ninja -C "$build" test-kvmem 2>&1 | tail -3
   for suite in stager summaries; do KVMEM_TEST_DEVICE=CUDA0 "$build/bin/test-kvmem" $suite 2>&1 | grep -v load_backend; done | tee "$OUT/cuda-suites.txt"
   # shellcheck disable=SC2086
   REPEATS=${REPEATS:-3} bash packaging/device/bench-cells.sh $CELLS
