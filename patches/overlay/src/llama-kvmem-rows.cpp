@@ -24,13 +24,15 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
     }
     ggml_backend_sched_synchronize(sched);
     if (!leader && scorer->scores()) {
-        if (scorer->summary_size() > 0) {
-            capture_keys(res, ubatch);
+        const bool keys = scorer->summary_size() > 0;
+        fetch_captures(sched, res, ubatch.n_tokens, keys);
+        if (keys) {
+            capture_keys(ubatch);
         }
         if (scorer->lexical() && ubatch.token) {
             capture_tokens(ubatch);
         }
-        capture_queries(res, ubatch);
+        capture_queries(ubatch);
     }
     for (uint32_t s = 0; s < ubatch.n_seqs_unq; ++s) {
         write_through(ubatch.seq_id_unq[s]);
@@ -38,21 +40,51 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
     publish();
 }
 
-void llama_kvmem_cache::capture_keys(const llm_graph_result * res, const llama_ubatch & ubatch) {
-    // key rows of the ubatch ([layer][token][kv head][head_dim], a scratch reused across ubatches): the summary
-    // of every block this ubatch completed is built from them, and only the rows of each sequence's two
-    // newest blocks are kept (to rebuild a summary after a truncation)
+void llama_kvmem_cache::fetch_captures(ggml_backend_sched_t sched, const llm_graph_result * res, uint32_t n_tokens, bool keys) {
+    // every tiered layer's pre-RoPE K (n_tokens rows) and Q (the ubatch's last rows) in one readback round; a layer
+    // whose tensors are missing or of another shape (a graph without the hook) has none
+    const size_t per_k = (size_t) dims.n_head_kv*dims.head_dim;
+    const size_t per_q = (size_t) dims.n_head*dims.head_dim;
+    const uint32_t n_lt = lrows.size();
+    std::vector<int64_t> ik(n_lt, -1), iq(n_lt, -1);
+    n_cap_q = 0;
+    bool q_ok = true; // the first layer's Q sets the row count; without it no query rows are kept
+    for (uint32_t lt = 0; lt < n_lt; ++lt) {
+        const uint32_t il = lrows[lt].il;
+        ggml_tensor * k = keys && il < res->t_kvmem_k.size() ? res->t_kvmem_k[il] : nullptr;
+        ggml_tensor * q = il < res->t_kvmem_q.size() ? res->t_kvmem_q[il] : nullptr;
+        if (k && (size_t) ggml_nelements(k) == per_k*n_tokens) {
+            ik[lt] = (int64_t) readback.add(k);
+        }
+        // every layer's Q has the first layer's row count, at most the ubatch's
+        if (q_ok && q && (size_t) (q->ne[0]*q->ne[1]) == per_q && (uint32_t) q->ne[2] <= n_tokens &&
+                (lt == 0 || (uint32_t) q->ne[2] == n_cap_q)) {
+            n_cap_q = (uint32_t) q->ne[2];
+            iq[lt] = (int64_t) readback.add(q);
+        } else if (lt == 0) {
+            q_ok = false;
+        }
+    }
+    n_cap_q = q_ok ? n_cap_q : 0;
+    readback.fetch(sched);
+    cap_k.assign(n_lt, nullptr);
+    cap_q.assign(n_lt, nullptr);
+    for (uint32_t lt = 0; lt < n_lt; ++lt) {
+        cap_k[lt] = ik[lt] >= 0 ? readback.rows(ik[lt]) : nullptr;
+        cap_q[lt] = iq[lt] >= 0 ? readback.rows(iq[lt]) : nullptr;
+    }
+}
+
+void llama_kvmem_cache::capture_keys(const llama_ubatch & ubatch) {
+    // the summary of every block this ubatch completed is built from the ubatch's key rows (cap_k: per layer
+    // [token][kv head][head_dim]); only the rows of each sequence's two newest blocks are kept (to rebuild a
+    // summary after a truncation)
     const uint32_t nt = ubatch.n_tokens;
     const int32_t  B  = kp.block;
     const size_t per_k = (size_t) dims.n_head_kv*dims.head_dim;
     const uint32_t n_lt = lrows.size();
-    kscratch.resize((size_t) n_lt*nt*per_k);
-    for (uint32_t lt = 0; lt < n_lt; ++lt) {
-        const uint32_t il = lrows[lt].il;
-        ggml_tensor * t = il < res->t_kvmem_k.size() ? res->t_kvmem_k[il] : nullptr;
-        if (t && (size_t) ggml_nelements(t) == per_k*nt) {
-            ggml_backend_tensor_get(t, kscratch.data() + (size_t) lt*nt*per_k, 0, ggml_nbytes(t));
-        }
+    if (std::any_of(cap_k.begin(), cap_k.end(), [](const float * k) { return k == nullptr; })) {
+        return;
     }
     std::map<llama_seq_id, std::map<llama_pos, uint32_t>> in_ubatch; // position -> token of this ubatch
     for (uint32_t i = 0; i < nt; ++i) {
@@ -64,7 +96,7 @@ void llama_kvmem_cache::capture_keys(const llm_graph_result * res, const llama_u
         const kvmem_key_rows key_row = [&](llama_pos pos, uint32_t lt) -> const float * {
             const auto it = toks.find(pos);
             if (it != toks.end()) {
-                return kscratch.data() + ((size_t) lt*nt + it->second)*per_k;
+                return cap_k[lt] + (size_t) it->second*per_k;
             }
             const auto kr = st.rows.key.find(pos);
             return kr == st.rows.key.end() ? nullptr : kr->second.data() + (size_t) lt*per_k;
@@ -78,7 +110,7 @@ void llama_kvmem_cache::capture_keys(const llm_graph_result * res, const llama_u
             row.clear();
             row.reserve((size_t) n_lt*per_k);
             for (uint32_t lt = 0; lt < n_lt; ++lt) {
-                const float * src = kscratch.data() + ((size_t) lt*nt + it->second)*per_k;
+                const float * src = cap_k[lt] + (size_t) it->second*per_k;
                 row.insert(row.end(), src, src + per_k);
             }
         }
@@ -96,37 +128,23 @@ void llama_kvmem_cache::capture_tokens(const llama_ubatch & ubatch) {
     }
 }
 
-void llama_kvmem_cache::capture_queries(const llm_graph_result * res, const llama_ubatch & ubatch) {
-    // query rows: the last tokens of this ubatch, kept by position
+void llama_kvmem_cache::capture_queries(const llama_ubatch & ubatch) {
+    // query rows: the last n_cap_q tokens of this ubatch, kept by position ([layer][head][head_dim] each)
     const uint32_t nt = ubatch.n_tokens;
     const size_t per_q = (size_t) dims.n_head*dims.head_dim;
-    if (lrows.empty()) {
+    if (lrows.empty() || n_cap_q == 0 || !cap_q[0]) {
         return;
-    }
-    const uint32_t il0 = lrows[0].il;
-    ggml_tensor * t0 = il0 < res->t_kvmem_q.size() ? res->t_kvmem_q[il0] : nullptr;
-    if (!t0 || (size_t) (t0->ne[0]*t0->ne[1]) != per_q || (uint32_t) t0->ne[2] > nt) {
-        return;
-    }
-    const uint32_t nq = t0->ne[2];
-    std::vector<float> buf;
-    std::vector<std::vector<float>> rows(nq, std::vector<float>((size_t) lrows.size()*per_q, 0.0f));
-    for (uint32_t lt = 0; lt < lrows.size(); ++lt) {
-        const uint32_t il = lrows[lt].il;
-        ggml_tensor * t = il < res->t_kvmem_q.size() ? res->t_kvmem_q[il] : nullptr;
-        if (!t || (size_t) ggml_nelements(t) != per_q*nq) {
-            continue;
-        }
-        buf.resize(ggml_nelements(t));
-        ggml_backend_tensor_get(t, buf.data(), 0, ggml_nbytes(t));
-        for (uint32_t j = 0; j < nq; ++j) {
-            std::memcpy(rows[j].data() + lt*per_q, buf.data() + j*per_q, per_q*sizeof(float));
-        }
     }
     std::set<llama_seq_id> touched;
-    for (uint32_t j = 0; j < nq; ++j) {
-        const uint32_t i = nt - nq + j;
-        open_seq(ubatch.seq_id[i][0]).rows.query[ubatch.pos[i]] = std::move(rows[j]);
+    for (uint32_t j = 0; j < n_cap_q; ++j) {
+        std::vector<float> row((size_t) lrows.size()*per_q, 0.0f);
+        for (uint32_t lt = 0; lt < lrows.size(); ++lt) {
+            if (cap_q[lt]) {
+                std::memcpy(row.data() + lt*per_q, cap_q[lt] + j*per_q, per_q*sizeof(float));
+            }
+        }
+        const uint32_t i = nt - n_cap_q + j;
+        open_seq(ubatch.seq_id[i][0]).rows.query[ubatch.pos[i]] = std::move(row);
         touched.insert(ubatch.seq_id[i][0]);
     }
     for (const auto s : touched) {

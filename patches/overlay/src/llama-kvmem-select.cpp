@@ -21,10 +21,16 @@ static constexpr llama_pos POS_END = std::numeric_limits<llama_pos>::max();
 // the plan (pure)
 //
 
-std::vector<float> kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens, uint32_t & n_rows) {
+std::vector<float> kvmem_query::contiguous() const {
+    std::vector<float> rows(turn, turn + (size_t) n_turn*per);
+    rows.insert(rows.end(), newest.begin(), newest.end());
+    return rows;
+}
+
+kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens) {
     const size_t per = dims.query_row();
-    std::vector<float> rows;
-    n_rows = 0;
+    kvmem_query q;
+    q.per = per;
     // the newest rows (of positions >= from), at most `want`, oldest first
     auto add_newest = [&](uint32_t want, llama_pos from) {
         std::vector<const std::vector<float> *> picked;
@@ -32,20 +38,20 @@ std::vector<float> kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dim
             picked.push_back(&it->second);
         }
         for (auto p = picked.rbegin(); p != picked.rend(); ++p) {
-            rows.insert(rows.end(), (*p)->begin(), (*p)->end());
-            n_rows++;
+            q.newest.insert(q.newest.end(), (*p)->begin(), (*p)->end());
+            q.n_newest++;
         }
     };
     if (st.phase() == kvmem_phase::PROMPT && st.turn.q0 < 0) {
         add_newest(std::min<uint32_t>(query_tokens, 64), 0); // inside a prompt (retrieval prefill)
-        return rows;
+        return q;
     }
-    rows = st.turn.q;
-    n_rows = (uint32_t) (st.turn.q.size()/std::max<size_t>(per, 1));
+    q.turn = st.turn.q.data();
+    q.n_turn = (uint32_t) (st.turn.q.size()/std::max<size_t>(per, 1));
     if (st.phase() == kvmem_phase::GEN && st.turn.pos >= 0) {
         add_newest(std::max<uint32_t>(1, query_tokens/2), st.turn.pos);
     }
-    return rows;
+    return q;
 }
 
 // the blocks every selection keeps: the sink, the question (newest blocks of it first), the recent window
@@ -72,21 +78,21 @@ static void kvmem_plan_fixed(const kvmem_geometry & g, const kvmem_seq & st, uin
 }
 
 kvmem_score_fn kvmem_host_scores(const kvmem_seq & st, const kvmem_scorer & scorer) {
-    return [&st, &scorer](const std::vector<int32_t> & ids, const std::vector<char> & candidate, const float * q,
-            uint32_t n_rows, std::vector<float> & out) {
+    return [&st, &scorer](const std::vector<int32_t> & ids, const std::vector<char> & candidate, const kvmem_query & q,
+            std::vector<float> & out) {
         std::vector<const float *> sums;
         for (const int32_t b : ids) {
             sums.push_back(st.rows.summary.at(b).data());
         }
-        scorer.score(sums, candidate, q, n_rows, out);
+        scorer.score(sums, candidate, q.contiguous().data(), q.n_rows(), out);
     };
 }
 
 // the other blocks by attention score, best first; recency (newest first) when there is nothing to score with
 static std::vector<std::pair<float, int32_t>> kvmem_rank_blocks(const kvmem_seq & st, const kvmem_scorer & scorer,
-        const kvmem_score_fn & score_fn, const std::vector<float> & q, uint32_t n_rows, const std::set<int32_t> & target) {
+        const kvmem_score_fn & score_fn, const kvmem_query & q, const std::set<int32_t> & target) {
     std::vector<std::pair<float, int32_t>> ranked;
-    if (scorer.scores() && n_rows > 0) {
+    if (scorer.scores() && q.n_rows() > 0) {
         // every block with a summary is scored (the sink and the recent window take their share of the query's
         // attention); those outside the target are ranked
         std::vector<int32_t> ids;
@@ -99,7 +105,7 @@ static std::vector<std::pair<float, int32_t>> kvmem_rank_blocks(const kvmem_seq 
         }
         std::vector<float> scores;
         if (!ids.empty()) {
-            score_fn(ids, cand, q.data(), n_rows, scores);
+            score_fn(ids, cand, q, scores);
         }
         for (size_t i = 0; i < ids.size(); ++i) {
             if (cand[i]) {
@@ -127,8 +133,9 @@ kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, 
     kvmem_plan_fixed(g, st, avail, plan);
 
     const kvmem_dims dims = scorer.dims();
-    const std::vector<float> q = kvmem_query_rows(st, dims, query_tokens, plan.n_rows);
-    const auto ranked = kvmem_rank_blocks(st, scorer, score_fn, q, plan.n_rows, plan.target);
+    const kvmem_query q = kvmem_query_rows(st, dims, query_tokens);
+    plan.n_rows = q.n_rows();
+    const auto ranked = kvmem_rank_blocks(st, scorer, score_fn, q, plan.target);
     std::vector<std::pair<float, int32_t>> lex;
     if (scorer.lexical() && plan.n_rows > 0 && !st.turn.tokens.empty()) {
         lex = st.lexicon.rank(st.turn.tokens, plan.target);
@@ -172,14 +179,14 @@ kvmem_score_fn llama_kvmem_cache::score_fn(const kvmem_seq & st) {
     if (!graph_scorer) {
         return kvmem_host_scores(st, *scorer);
     }
-    return [this, &st](const std::vector<int32_t> & ids, const std::vector<char> &, const float * q, uint32_t n_rows,
+    return [this, &st](const std::vector<int32_t> & ids, const std::vector<char> &, const kvmem_query & q,
             std::vector<float> & out) {
         std::vector<uint32_t> slots;
         for (const int32_t b : ids) {
             slots.push_back(st.blocks.at(b).slot);
         }
         copier.wait(); // the summaries' uploads share the device's stream
-        graph_scorer->score(slots, q, n_rows, out);
+        graph_scorer->score(slots, { { q.turn, q.n_turn }, { q.newest.data(), q.n_newest } }, out);
     };
 }
 
@@ -264,7 +271,15 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
             }
         }
     }
-    const kvmem_plan plan = kvmem_plan_selection(geom, st, share, reason, *scorer, score_fn(st), kp.query_tokens,
+    // the scorer's part of the selection, for the SELECT line
+    int64_t score_us = 0;
+    const kvmem_score_fn scores = [&score_us, inner = score_fn(st)](const std::vector<int32_t> & ids,
+            const std::vector<char> & candidate, const kvmem_query & q, std::vector<float> & out) {
+        const int64_t t0 = ggml_time_us();
+        inner(ids, candidate, q, out);
+        score_us += ggml_time_us() - t0;
+    };
+    const kvmem_plan plan = kvmem_plan_selection(geom, st, share, reason, *scorer, scores, kp.query_tokens,
             kp.trace, seq_id);
 
     const int64_t t_stage = ggml_time_us();
@@ -295,10 +310,12 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     totals.last_ms = ms;
 
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%zu staged_in=%u "
-            "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s lexical=%u\n",
+            "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s lexical=%u "
+            "score_ms=%.3f\n",
             seq_id, st.n_blocks(), geom.budget_blocks, share, plan.n_sink, plan.n_recent, plan.picks.size(), staged_in,
             staged_out, reused, plan.n_rows, ms, stage_ms, (double) staged_in*ws_block_bytes()/1024.0/1024.0,
-            kvmem_reason_name(reason), pos, plan.n_question, kvmem_scorer::method_name(scorer->method()), plan.n_lexical);
+            kvmem_reason_name(reason), pos, plan.n_question, kvmem_scorer::method_name(scorer->method()), plan.n_lexical,
+            score_us/1000.0);
     if (kp.trace) {
         trace_resident(seq_id, st, pos, reason);
     }

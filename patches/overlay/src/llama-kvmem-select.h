@@ -20,14 +20,25 @@ struct kvmem_plan {
     uint32_t n_sink = 0, n_question = 0, n_recent = 0, n_rows = 0, n_lexical = 0;
 };
 
-// the query rows of a selection: inside a prompt (retrieval prefill) the prompt's newest rows; else the
-// question's rows, during generation followed by the newest generated tokens' rows
-std::vector<float> kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens, uint32_t & n_rows);
+// the query rows of a selection ([layer][head][head_dim] each): the question's rows, borrowed from the sequence
+// (no copy: a turn's are 50 MB on a 27B model), then the newest rows (owned): during generation the newest
+// generated tokens', inside a prompt (retrieval prefill) the prompt's newest rows alone
+struct kvmem_query {
+    const float * turn = nullptr;
+    uint32_t n_turn = 0;
+    std::vector<float> newest;
+    uint32_t n_newest = 0;
+    size_t per = 0; // floats per row
 
-// scores of the blocks `ids` (all with summaries; `candidate` marks those that may be picked) for n_rows query
-// rows: the host scorer over the host summaries, or the graph scorer over the device's (llama-kvmem-summaries.h)
+    uint32_t n_rows() const { return n_turn + n_newest; }
+    std::vector<float> contiguous() const; // both parts, one after the other
+};
+kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens);
+
+// scores of the blocks `ids` (all with summaries; `candidate` marks those that may be picked) for the query rows:
+// the host scorer over the host summaries, or the graph scorer over the device's (llama-kvmem-summaries.h)
 using kvmem_score_fn = std::function<void(const std::vector<int32_t> & ids, const std::vector<char> & candidate,
-        const float * q, uint32_t n_rows, std::vector<float> & out)>;
+        const kvmem_query & q, std::vector<float> & out)>;
 
 // the host scorer over the sequence's host summaries
 kvmem_score_fn kvmem_host_scores(const kvmem_seq & st, const kvmem_scorer & scorer);

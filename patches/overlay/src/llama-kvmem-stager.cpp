@@ -66,7 +66,7 @@ size_t kvmem_stager::staging_bytes() const {
 void kvmem_stager::queue(direction d, queued item) {
     GGML_ASSERT(item.idx.size() == block);
     if (dir != d || q.size() == cap) {
-        flush();
+        submit();
     }
     dir = d;
     q.push_back(std::move(item));
@@ -133,8 +133,8 @@ void kvmem_stager::run_graph() {
                 i32.push_back((int32_t) t);
             }
         }
-        ggml_backend_tensor_set(cells, i64.data(), 0, ggml_nbytes(cells));
-        ggml_backend_tensor_set(rows, i32.data(), 0, ggml_nbytes(rows));
+        ggml_backend_tensor_set_async(be, cells, i64.data(), 0, ggml_nbytes(cells));
+        ggml_backend_tensor_set_async(be, rows, i32.data(), 0, ggml_nbytes(rows));
     } else {
         for (const auto & item : q) {
             i32.insert(i32.end(), item.idx.begin(), item.idx.end());
@@ -142,14 +142,15 @@ void kvmem_stager::run_graph() {
         for (uint32_t t = 0; t < block; ++t) {
             i64.push_back(t);
         }
-        ggml_backend_tensor_set(cells, i32.data(), 0, ggml_nbytes(cells));
-        ggml_backend_tensor_set(rows, i64.data(), 0, ggml_nbytes(rows));
+        ggml_backend_tensor_set_async(be, cells, i32.data(), 0, ggml_nbytes(cells));
+        ggml_backend_tensor_set_async(be, rows, i64.data(), 0, ggml_nbytes(rows));
     }
-    GGML_ASSERT(ggml_backend_graph_compute(be, gf) == GGML_STATUS_SUCCESS);
+    // ordered on the stager's stream after this round's copies and before the next round's: no host wait
+    GGML_ASSERT(ggml_backend_graph_compute_async(be, gf) == GGML_STATUS_SUCCESS);
     ggml_free(g);
 }
 
-void kvmem_stager::flush() {
+void kvmem_stager::submit() {
     if (q.empty()) {
         return;
     }
@@ -158,8 +159,16 @@ void kvmem_stager::flush() {
         for (size_t j = 0; j < q.size(); ++j) {
             ggml_backend_tensor_get_async(be, base_k, q[j].dst, j*slot_bytes, slot_bytes);
         }
-        ggml_backend_synchronize(be);
     }
     q.clear();
     dir = direction::none;
+    in_flight = true;
+}
+
+void kvmem_stager::flush() {
+    submit();
+    if (in_flight) {
+        ggml_backend_synchronize(be);
+        in_flight = false;
+    }
 }

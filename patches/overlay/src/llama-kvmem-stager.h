@@ -7,7 +7,8 @@
 // working set's type (set_rows), for every tiered layer and for all blocks staged since the last flush at once. A
 // write-through is the reverse: get_rows gathers the block's cells, set_rows writes them into a staging slot in the
 // pool's type (quantizing there), then one backend->host copy per block. Nothing is converted on the host, and
-// there is no host wait between blocks. The same graphs run on the CPU backend (CI) and on CUDA.
+// there is no host wait between blocks or between rounds of a full staging buffer (only flush() waits). The same
+// graphs run on the CPU backend (CI) and on CUDA.
 
 #include "llama-kvmem-pool.h"
 
@@ -34,7 +35,7 @@ public:
     void to_device(const uint8_t * host, const std::vector<uint32_t> & idx);
     // cells idx -> host slot; done by the next flush() at the latest (the cells must not change before it)
     void to_host(uint8_t * host, const std::vector<uint32_t> & idx);
-    // runs what is queued and waits for it
+    // runs what is queued and waits for everything submitted
     void flush();
 
     size_t staging_bytes() const;
@@ -65,7 +66,11 @@ private:
     direction dir = direction::none;
     std::vector<queued> q;
 
+    bool in_flight = false;                // rounds submitted since the last flush()
+
     void queue(direction d, queued item);
+    // runs what is queued without waiting: a full staging buffer's round, in stream order with the next one
+    void submit();
     // a view of every queued slot's K (or V) rows of layer lt: [n_per_row, block, n_queued] in the pool's type
     ggml_tensor * slot_rows(ggml_context * g, uint32_t lt, bool is_v) const;
     void run_graph();

@@ -67,41 +67,51 @@ kvmem_graph_scorer::~kvmem_graph_scorer() {
     ggml_gallocr_free(galloc);
 }
 
-void kvmem_graph_scorer::score(const std::vector<uint32_t> & slots, const float * q, uint32_t n_rows, std::vector<float> & out) {
+void kvmem_graph_scorer::score(const std::vector<uint32_t> & slots, const std::vector<rows_span> & rows, std::vector<float> & out) {
     const kvmem_dims & d = store.dims();
     const uint32_t n_ch = store.n_chunks();
     const int64_t n_blocks = (int64_t) slots.size();
+    uint32_t n_rows = 0;
+    for (const auto & r : rows) {
+        n_rows += r.n;
+    }
     out.assign(slots.size(), 0.0f);
     if (n_blocks == 0 || n_rows == 0) {
         return;
     }
+    GGML_ASSERT(d.n_head % d.n_head_kv == 0);
+    const int64_t group = d.n_head/d.n_head_kv; // query heads per KV head
     const uint32_t n_steps = (n_rows + KVMEM_ROWS_PER_STEP - 1)/KVMEM_ROWS_PER_STEP;
-    const size_t n_nodes = (size_t) d.n_lt*(2 + 12*n_steps) + 16;
+    const size_t n_nodes = (size_t) d.n_lt*(2 + 14*n_steps) + 16;
     meta.resize(ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false));
     ggml_init_params params = { meta.size(), meta.data(), /*no_alloc*/ true };
     ggml_context * ctx = ggml_init(params);
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, n_nodes, false);
 
-    // the chunk rows of these blocks, the same for every KV head; the query rows laid out per (layer, step) as
-    // contiguous [head_dim, rows, heads] blocks
+    // the chunk rows of these blocks, the same for every KV head; the query rows as they come ([row][layer][head]
+    // [head_dim]), regrouped on the backend so that each KV head's summaries are read once per step for all the
+    // query heads that share it
     ggml_tensor * idx = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_blocks*n_ch, d.n_head_kv);
-    ggml_tensor * qin = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, (int64_t) d.n_lt*n_rows*d.n_head*d.head_dim);
+    ggml_tensor * qin = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, (int64_t) n_rows*d.query_row());
     ggml_set_input(idx);
     ggml_set_input(qin);
     ggml_tensor * total = nullptr;
     const float scale = 1.0f/std::sqrt((float) d.head_dim);
-    size_t q_off = 0;
+    const size_t fl = sizeof(float);
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
         ggml_tensor * k = ggml_get_rows(ctx, store.layer(lt), idx); // [head_dim, keys, kv heads] f32
         for (uint32_t s = 0; s < n_steps; ++s) {
-            const int64_t nr = std::min<int64_t>(KVMEM_ROWS_PER_STEP, n_rows - (int64_t) s*KVMEM_ROWS_PER_STEP);
-            ggml_tensor * qs = ggml_view_3d(ctx, qin, d.head_dim, nr, d.n_head, d.head_dim*sizeof(float),
-                    nr*d.head_dim*sizeof(float), q_off*sizeof(float));
-            q_off += (size_t) nr*d.n_head*d.head_dim;
-            ggml_tensor * kq = ggml_mul_mat(ctx, k, qs); // [keys, rows, heads]: a head reads its group's KV head
+            const int64_t r0 = (int64_t) s*KVMEM_ROWS_PER_STEP;
+            const int64_t nr = std::min<int64_t>(KVMEM_ROWS_PER_STEP, n_rows - r0);
+            // [head_dim, group, kv heads, rows] of this layer -> [head_dim, group*rows, kv heads]
+            ggml_tensor * qs = ggml_view_4d(ctx, qin, d.head_dim, group, d.n_head_kv, nr, d.head_dim*fl,
+                    group*d.head_dim*fl, d.query_row()*fl, ((size_t) r0*d.query_row() + (size_t) lt*d.n_head*d.head_dim)*fl);
+            qs = ggml_cont(ctx, ggml_permute(ctx, qs, 0, 1, 3, 2));
+            qs = ggml_reshape_3d(ctx, qs, d.head_dim, group*nr, d.n_head_kv);
+            ggml_tensor * kq = ggml_mul_mat(ctx, k, qs); // [keys, group*rows, kv heads]
             kq = ggml_soft_max_ext(ctx, kq, nullptr, scale, 0.0f);
-            ggml_tensor * best = ggml_pool_1d(ctx, kq, GGML_OP_POOL_MAX, n_ch, n_ch, 0); // [blocks, rows, heads]
-            best = ggml_reshape_2d(ctx, ggml_sqr(ctx, best), n_blocks, nr*d.n_head);
+            ggml_tensor * best = ggml_pool_1d(ctx, kq, GGML_OP_POOL_MAX, n_ch, n_ch, 0); // [blocks, group*rows, kv heads]
+            best = ggml_reshape_2d(ctx, ggml_sqr(ctx, best), n_blocks, group*nr*d.n_head_kv);
             ggml_tensor * sum = ggml_sum_rows(ctx, ggml_cont(ctx, ggml_transpose(ctx, best))); // [1, blocks]
             total = total ? ggml_add(ctx, total, sum) : sum;
         }
@@ -117,23 +127,15 @@ void kvmem_graph_scorer::score(const std::vector<uint32_t> & slots, const float 
     for (uint32_t kv = 1; kv < d.n_head_kv; ++kv) {
         std::copy(idx_host.begin(), idx_host.begin() + n_blocks*n_ch, idx_host.begin() + kv*n_blocks*n_ch);
     }
-    // q rows arrive as [row][layer][head][head_dim]
-    q_host.resize((size_t) d.n_lt*n_rows*d.n_head*d.head_dim);
-    size_t o = 0;
-    for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
-        for (uint32_t r0 = 0; r0 < n_rows; r0 += KVMEM_ROWS_PER_STEP) {
-            const uint32_t nr = std::min(KVMEM_ROWS_PER_STEP, n_rows - r0);
-            for (uint32_t h = 0; h < d.n_head; ++h) {
-                for (uint32_t r = r0; r < r0 + nr; ++r) {
-                    const float * src = q + (size_t) r*d.query_row() + ((size_t) lt*d.n_head + h)*d.head_dim;
-                    std::copy(src, src + d.head_dim, q_host.data() + o);
-                    o += d.head_dim;
-                }
-            }
-        }
-    }
     ggml_backend_tensor_set(idx, idx_host.data(), 0, ggml_nbytes(idx));
-    ggml_backend_tensor_set(qin, q_host.data(), 0, ggml_nbytes(qin));
+    size_t at = 0;
+    for (const auto & r : rows) {
+        const size_t bytes = (size_t) r.n*d.query_row()*fl;
+        if (bytes > 0) {
+            ggml_backend_tensor_set(qin, r.data, at, bytes);
+        }
+        at += bytes;
+    }
     GGML_ASSERT(ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS);
     ggml_backend_tensor_get(total, out.data(), 0, out.size()*sizeof(float));
     ggml_free(ctx);

@@ -55,16 +55,21 @@ public:
     kvmem_graph_scorer & operator=(const kvmem_graph_scorer &) = delete;
     ~kvmem_graph_scorer();
 
-    // out[i]: the score of the block in slots[i] for n_rows query rows q ([row][layer][head][head_dim]): the softmax
+    // n rows of [layer][head][head_dim] floats, contiguous
+    struct rows_span {
+        const float * data;
+        uint32_t n;
+    };
+
+    // out[i]: the score of the block in slots[i] for the query rows (the spans one after the other): the softmax
     // attention of each (layer, head, row) over every chunk of these blocks, a block's share its best chunk's
     // probability, squared, summed over (layer, head, row)
-    void score(const std::vector<uint32_t> & slots, const float * q, uint32_t n_rows, std::vector<float> & out);
+    void score(const std::vector<uint32_t> & slots, const std::vector<rows_span> & rows, std::vector<float> & out);
 
 private:
     ggml_backend_t backend;
     const kvmem_summary_store & store;
     ggml_gallocr_t galloc = nullptr;
     std::vector<uint8_t> meta; // the graph's tensor and node structs (no data)
-    std::vector<float> q_host;
     std::vector<int32_t> idx_host;
 };

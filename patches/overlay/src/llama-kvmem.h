@@ -34,6 +34,7 @@
 //   llama-kvmem-select.*     a selection: plan (pure), apply with its journal, undo, schedule
 //   llama-kvmem-score.*      block summaries and scorers, the lexical (BM25) picks (pure)
 //   llama-kvmem-rows.cpp     key/query rows and token ids captured after each ubatch
+//   llama-kvmem-readback.*   a ubatch's captured tensors read back in one round (pinned on a GPU)
 //   llama-kvmem-pool.*       the host pool and the copies between it and the working set
 //   llama-kvmem-memory.cpp   llama_memory_i operations (batches, seq_rm, clear, ...)
 //   llama-kvmem-setup.cpp    construction, the checks that disable tiering, the memory factory
@@ -46,6 +47,7 @@
 #include "llama-kv-cache.h"
 #include "llama-kvmem-params.h"
 #include "llama-kvmem-pool.h"
+#include "llama-kvmem-readback.h"
 #include "llama-kvmem-residency.h"
 #include "llama-kvmem-score.h"
 #include "llama-kvmem-seq.h"
@@ -242,11 +244,15 @@ private:
 
     // rows (llama-kvmem-rows.cpp): drop key rows, query rows and (unless keep_summaries) summaries in [p0, p1)
     void forget_from(kvmem_seq & st, llama_pos p0, llama_pos p1, bool keep_summaries = false);
-    void capture_keys(const llm_graph_result * res, const llama_ubatch & ubatch);
-    void capture_queries(const llm_graph_result * res, const llama_ubatch & ubatch);
+    // the ubatch's captured K and Q tensors read back in one round (cap_k/cap_q per tiered layer; nullptr: none)
+    void fetch_captures(ggml_backend_sched_t sched, const llm_graph_result * res, uint32_t n_tokens, bool keys);
+    void capture_keys(const llama_ubatch & ubatch);
+    void capture_queries(const llama_ubatch & ubatch);
     void capture_tokens(const llama_ubatch & ubatch);
     void build_summary(kvmem_seq & st, int32_t b, const kvmem_key_rows & key_row);
-    std::vector<float> kscratch; // the ubatch's key rows, reused across ubatches
+    kvmem_readback readback;
+    std::vector<const float *> cap_k, cap_q; // into readback, for the ubatch being captured
+    uint32_t n_cap_q = 0;                    // query rows per layer in cap_q
 
     // memory operations (llama-kvmem-memory.cpp)
     bool seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos p1);

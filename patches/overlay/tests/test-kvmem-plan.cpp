@@ -62,9 +62,9 @@ KV_SUITE(plan) {
     // during generation the newest generated tokens' rows join the question's
     st.rows.query[12*16 + 5] = query_row();
     st.rows.query[12*16 + 2] = query_row(); // before the turn's end: not a generated token
-    uint32_t n_rows = 0;
-    kvmem_query_rows(st, DIMS, 128, n_rows);
-    KV_CHECK(n_rows == 2);
+    const kvmem_query q = kvmem_query_rows(st, DIMS, 128);
+    KV_CHECK(q.n_turn == 1 && q.n_newest == 1 && q.turn == st.turn.q.data()); // the turn's rows are not copied
+    KV_CHECK(q.contiguous().size() == 2*DIMS.query_row());
 
     // inside a prompt (retrieval prefill) the picks take at most half of what the fixed blocks leave
     kvmem_seq pre = make_history(mass, 4);

@@ -59,7 +59,7 @@ KV_SUITE(summaries) {
     }
     kvmem_graph_scorer graph(be, store);
     std::vector<float> dev_scores;
-    graph.score(slots, q.data(), n_rows, dev_scores);
+    graph.score(slots, { { q.data(), n_rows } }, dev_scores);
     KV_CHECK(dev_scores.size() == (size_t) n_blocks);
 
     auto order = [&](const std::vector<float> & s) {
@@ -77,9 +77,33 @@ KV_SUITE(summaries) {
     KV_CHECK(worst < 2e-2); // f16 summaries
     KV_CHECK(store.bytes() == (size_t) 2*2*40*4*16*2);
 
+    // query rows in two spans (the turn's, then the newest generated tokens') score as one
+    std::vector<float> split;
+    graph.score(slots, { { q.data(), 7 }, { q.data() + 7*d.query_row(), n_rows - 7 } }, split);
+    KV_CHECK(split.size() == dev_scores.size());
+    for (int b = 0; b < n_blocks; ++b) {
+        KV_CHECK(std::fabs(split[b] - dev_scores[b]) <= 1e-6f*std::max(1.0f, std::fabs(dev_scores[b])));
+    }
+
+    // every query head reads its own KV head (heads 0-1 share KV head 0, 2-3 KV head 1): queries that differ per
+    // head and keys that differ per KV head score as on the host
+    std::vector<float> qh(q.size());
+    for (size_t i = 0; i < qh.size(); ++i) {
+        const size_t h = (i/d.head_dim) % d.n_head;
+        qh[i] = 0.3f*noise(rng) + (i % d.head_dim == 1 + h ? 3.0f : 0.0f);
+    }
+    std::vector<float> host_h, dev_h;
+    mass.score(ptrs, std::vector<char>(n_blocks, 1), qh.data(), n_rows, host_h);
+    graph.score(slots, { { qh.data(), n_rows } }, dev_h);
+    double worst_h = 0.0;
+    for (int b = 0; b < n_blocks; ++b) {
+        worst_h = std::max(worst_h, std::fabs(host_h[b] - dev_h[b])/std::max(1e-6, (double) std::fabs(host_h[b])));
+    }
+    KV_CHECK(worst_h < 2e-2);
+
     // an empty question scores nothing
     std::vector<float> none;
-    graph.score(slots, q.data(), 0, none);
+    graph.score(slots, {}, none);
     KV_CHECK(none.size() == (size_t) n_blocks && none[9] == 0.0f);
     ggml_backend_free(be);
 }

@@ -1,0 +1,77 @@
+// KVMem: a ubatch's captured rows read back in one round (kvmem-llama). See llama-kvmem-readback.h.
+
+#include "llama-kvmem-readback.h"
+
+#include <algorithm>
+
+kvmem_readback::~kvmem_readback() {
+    if (pinned) {
+        ggml_backend_buffer_free(pinned);
+    }
+}
+
+size_t kvmem_readback::add(ggml_tensor * t) {
+    if (fetched) {
+        queued.clear();
+        data.clear();
+        fetched = false;
+    }
+    GGML_ASSERT(t && t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->buffer);
+    queued.push_back(t);
+    return queued.size() - 1;
+}
+
+uint8_t * kvmem_readback::scratch(ggml_backend_t be, size_t bytes) {
+    ggml_backend_dev_t dev = ggml_backend_get_device(be);
+    ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    if (host && (!pinned || ggml_backend_buffer_get_size(pinned) < bytes)) {
+        if (pinned) {
+            ggml_backend_buffer_free(pinned);
+        }
+        pinned = ggml_backend_buft_alloc_buffer(host, bytes + bytes/4);
+    }
+    if (host && pinned) {
+        return (uint8_t *) ggml_backend_buffer_get_base(pinned);
+    }
+    plain.resize(std::max(plain.size(), bytes)); // no pinned memory: the same copies, each waited for
+    return plain.data();
+}
+
+void kvmem_readback::fetch(ggml_backend_sched_t sched) {
+    fetched = true;
+    data.assign(queued.size(), nullptr);
+    std::vector<size_t> offset(queued.size(), 0);
+    std::vector<ggml_backend_t> backends;
+    size_t bytes = 0;
+    for (size_t i = 0; i < queued.size(); ++i) {
+        if (ggml_backend_buffer_is_host(queued[i]->buffer)) {
+            data[i] = (const uint8_t *) queued[i]->data;
+            continue;
+        }
+        offset[i] = bytes;
+        bytes = GGML_PAD(bytes + ggml_nbytes(queued[i]), 64);
+        backends.push_back(ggml_backend_sched_get_tensor_backend(sched, queued[i]));
+        GGML_ASSERT(backends.back() && "kvmem: a captured tensor in device memory was not computed by the scheduler");
+    }
+    if (backends.empty()) {
+        return;
+    }
+    uint8_t * base = scratch(backends[0], bytes);
+    size_t j = 0;
+    for (size_t i = 0; i < queued.size(); ++i) {
+        if (!data[i]) {
+            ggml_backend_tensor_get_async(backends[j++], queued[i], base + offset[i], 0, ggml_nbytes(queued[i]));
+            data[i] = base + offset[i];
+        }
+    }
+    std::sort(backends.begin(), backends.end());
+    backends.erase(std::unique(backends.begin(), backends.end()), backends.end());
+    for (ggml_backend_t be : backends) {
+        ggml_backend_synchronize(be);
+    }
+}
+
+const float * kvmem_readback::rows(size_t i) const {
+    GGML_ASSERT(fetched && i < queued.size());
+    return (const float *) data[i];
+}
