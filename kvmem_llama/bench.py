@@ -52,7 +52,8 @@ KV_BUFFER = re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB")
 # how long a request's part of the log may take to get its end-of-request line (the server's own thread writes it)
 REQUEST_DONE_WAIT_S = 10.0
 REFRESH_REASONS = ("refresh", "room")
-SELECTION_FIELDS = ("select_ms", "refresh_ms", "staged_in_blocks", "stage_ms", "stage_in_gbps", "prompt_select_ms")
+SELECTION_FIELDS = ("select_ms", "refresh_ms", "staged_in_blocks", "stage_ms", "stage_in_gbps", "prompt_select_ms",
+                    "score_ms")
 
 
 @dataclass
@@ -81,6 +82,7 @@ class BenchResult:
     stage_ms: list[float] = field(default_factory=list)  # the stage-in part of each turn selection
     stage_in_gbps: list[float] = field(default_factory=list)  # staged bytes / stage-in time
     prompt_select_ms: list[float] = field(default_factory=list)  # selections inside turn 2's prompt (reason=prefill)
+    score_ms: list[float] = field(default_factory=list)  # the scorer's part of each turn selection (engines that say)
     # turn 1's selections (shared, like prefill_tps): select_ms, refresh_ms, staged_in_blocks, stage_ms,
     # stage_in_gbps, prompt_select_ms, as above
     turn1: dict = field(default_factory=dict)
@@ -156,6 +158,8 @@ def record_selections(text: str, result: BenchResult, block_bytes: int) -> None:
             continue
         result.select_ms.append(float(select["ms"]))
         result.staged_in_blocks.append(int(select["staged_in"]))
+        if "score_ms" in select:
+            result.score_ms.append(float(select["score_ms"]))
         if "stage_ms" in select and "stage_mib" in select:
             # engines that time the copies themselves (the bytes moved are the cache type's)
             result.stage_ms.append(float(select["stage_ms"]))
@@ -309,6 +313,7 @@ def cells(rows: list[dict]) -> list[dict]:
             turn1 = [ms for r in servers for ms in r.get("turn1", {}).get("select_ms", [])]
             turn1_gbps = [g for r in servers for g in r.get("turn1", {}).get("stage_in_gbps", [])]
             stage = [ms for r in ok for ms in r.get("stage_ms", [])]
+            score = [ms for r in ok for ms in r.get("score_ms", [])]
             gbps = [g for r in ok for g in r.get("stage_in_gbps", [])]
             read = [r["turn2_prompt_tokens"] for r in ok if r.get("turn2_prompt_tokens")]
             cell["decode_tokens"] = max(r.get("decode_tokens", 0) for r in ok)
@@ -320,6 +325,7 @@ def cells(rows: list[dict]) -> list[dict]:
             cell["turn_select_ms_max"] = max(turns) if turns else None
             cell["turn1_select_ms_median"] = _median(turn1) if turn1 else None
             cell["stage_ms_median"] = _median(stage) if stage else None
+            cell["score_ms_median"] = _median(score) if score else None
             cell["stage_in_gbps_median"] = _median(gbps) if gbps else None
             cell["turn1_stage_in_gbps_median"] = _median(turn1_gbps) if turn1_gbps else None
             cell["peak_vram_mib"] = max((r["peak_vram_mib"] or 0.0) for r in ok) or None
@@ -340,20 +346,20 @@ def _fmt_pair(median: float | None, top: float | None) -> str:
 TABLE_NOTE = ("runs: repeats of turn 2 that did not fail; servers: server runs among them, each with one turn-1 "
               "prefill, so prefill min / median is over servers, every other column over repeats. turn-2 read: "
               "the most prompt tokens a repeat's turn 2 read (~512 when the prompt cache kept the prefix). "
-              "turn select ms, stage ms and stage-in GB/s: turn 2's selections at the end of its prompt (medians over "
-              "repeats), GB/s in brackets turn 1's (over servers).")
+              "turn select ms (scoring, planning and staging), score ms, stage ms and stage-in GB/s: turn 2's "
+              "selections at the end of its prompt (medians over repeats), GB/s in brackets turn 1's (over servers).")
 
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| config | context | runs | servers | prefill tok/s min / median | decode tok/s min / median | generated "
-            "| turn-2 read | refreshes | refresh ms median (max) | turn select ms median (max) | stage ms median "
-            "| stage-in GB/s (turn 1) | peak VRAM MiB | KV buffer MiB | host RSS MiB | note |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|\n")
+            "| turn-2 read | refreshes | refresh ms median (max) | turn select ms median (max) | score ms median "
+            "| stage ms median | stage-in GB/s (turn 1) | peak VRAM MiB | KV buffer MiB | host RSS MiB | note |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|\n")
     lines = []
     for c in cells(rows):
         note = (c["error"] or "")[:60]
         if not c["repeats"]:
-            lines.append(f"| {c['config']} | {c['context']:,} | 0 | 0 |" + " - |" * 12 + f" {note} |")
+            lines.append(f"| {c['config']} | {c['context']:,} | 0 | 0 |" + " - |" * 13 + f" {note} |")
             continue
         read = "-" if c["turn2_prompt_tokens_max"] is None else f"{c['turn2_prompt_tokens_max']:,}"
         gbps = _fmt(c["stage_in_gbps_median"])
@@ -364,7 +370,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"{_fmt(c['prefill_tps_median'])} | {_fmt(c['decode_tps_min'], 2)} / {_fmt(c['decode_tps_median'], 2)} | "
             f"{c['decode_tokens']} | {read} | {c['refreshes_per_run']:g} | "
             f"{_fmt_pair(c['refresh_ms_median'], c['refresh_ms_max'])} | "
-            f"{_fmt_pair(c['turn_select_ms_median'], c['turn_select_ms_max'])} | {_fmt(c['stage_ms_median'])} | "
+            f"{_fmt_pair(c['turn_select_ms_median'], c['turn_select_ms_max'])} | {_fmt(c.get('score_ms_median'))} | "
+            f"{_fmt(c['stage_ms_median'])} | "
             f"{gbps} | {_fmt(c['peak_vram_mib'], 0)} | {_fmt(c['kv_buffer_mib'], 0)} | "
             f"{_fmt(c['host_rss_peak_mib'], 0)} | {note} |")
     return head + "\n".join(lines) + "\n\n" + TABLE_NOTE + "\n"
