@@ -19,7 +19,8 @@ from kvmem_llama.engine import Engine
 
 pytestmark = pytest.mark.engine
 
-SUITES = {"seq", "residency", "score", "lexical", "plan", "journal", "pool", "params", "summaries", "stager"}
+SUITES = {"seq", "residency", "score", "lexical", "plan", "journal", "pool", "params", "summaries", "stager",
+          "readback"}
 
 
 def test_engine_unit_tests_pass(cpu_engine: Engine) -> None:

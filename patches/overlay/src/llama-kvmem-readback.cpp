@@ -4,6 +4,19 @@
 
 #include <algorithm>
 
+// the scheduler's backend whose device owns t's buffer (it can copy t asynchronously); nullptr: none does
+static ggml_backend_t kvmem_owner(ggml_backend_sched_t sched, const ggml_tensor * t) {
+    ggml_backend_buffer_t buf = t->view_src ? t->view_src->buffer : t->buffer;
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        ggml_backend_t be = ggml_backend_sched_get_backend(sched, i);
+        ggml_backend_dev_t dev = be ? ggml_backend_get_device(be) : nullptr;
+        if (dev && ggml_backend_dev_buffer_type(dev) == ggml_backend_buffer_get_type(buf)) {
+            return be;
+        }
+    }
+    return nullptr;
+}
+
 kvmem_readback::~kvmem_readback() {
     if (pinned) {
         ggml_backend_buffer_free(pinned);
@@ -22,7 +35,7 @@ size_t kvmem_readback::add(ggml_tensor * t) {
 }
 
 uint8_t * kvmem_readback::scratch(ggml_backend_t be, size_t bytes) {
-    ggml_backend_dev_t dev = ggml_backend_get_device(be);
+    ggml_backend_dev_t dev = be ? ggml_backend_get_device(be) : nullptr;
     ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
     if (host && (!pinned || ggml_backend_buffer_get_size(pinned) < bytes)) {
         if (pinned) {
@@ -41,7 +54,7 @@ void kvmem_readback::fetch(ggml_backend_sched_t sched) {
     fetched = true;
     data.assign(queued.size(), nullptr);
     std::vector<size_t> offset(queued.size(), 0);
-    std::vector<ggml_backend_t> backends;
+    std::vector<ggml_backend_t> owner(queued.size(), nullptr);
     size_t bytes = 0;
     for (size_t i = 0; i < queued.size(); ++i) {
         if (ggml_backend_buffer_is_host(queued[i]->buffer)) {
@@ -50,19 +63,25 @@ void kvmem_readback::fetch(ggml_backend_sched_t sched) {
         }
         offset[i] = bytes;
         bytes = GGML_PAD(bytes + ggml_nbytes(queued[i]), 64);
-        backends.push_back(ggml_backend_sched_get_tensor_backend(sched, queued[i]));
-        GGML_ASSERT(backends.back() && "kvmem: a captured tensor in device memory was not computed by the scheduler");
+        owner[i] = kvmem_owner(sched, queued[i]);
     }
-    if (backends.empty()) {
+    if (bytes == 0) {
         return;
     }
-    uint8_t * base = scratch(backends[0], bytes);
-    size_t j = 0;
+    const auto first = std::find_if(owner.begin(), owner.end(), [](ggml_backend_t be) { return be != nullptr; });
+    uint8_t * base = scratch(first != owner.end() ? *first : nullptr, bytes);
+    std::vector<ggml_backend_t> backends;
     for (size_t i = 0; i < queued.size(); ++i) {
-        if (!data[i]) {
-            ggml_backend_tensor_get_async(backends[j++], queued[i], base + offset[i], 0, ggml_nbytes(queued[i]));
-            data[i] = base + offset[i];
+        if (data[i]) {
+            continue;
         }
+        if (owner[i]) {
+            ggml_backend_tensor_get_async(owner[i], queued[i], base + offset[i], 0, ggml_nbytes(queued[i]));
+            backends.push_back(owner[i]);
+        } else {
+            ggml_backend_tensor_get(queued[i], base + offset[i], 0, ggml_nbytes(queued[i])); // no owner found: waits
+        }
+        data[i] = base + offset[i];
     }
     std::sort(backends.begin(), backends.end());
     backends.erase(std::unique(backends.begin(), backends.end()), backends.end());

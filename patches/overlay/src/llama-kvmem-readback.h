@@ -36,5 +36,6 @@ private:
     ggml_backend_buffer_t pinned = nullptr; // a GPU's host buffer, grown as needed
     std::vector<uint8_t> plain;             // when that device has no host buffer type
 
+    // room for `bytes`: pinned memory of be's device where it has a host buffer type (be may be nullptr)
     uint8_t * scratch(ggml_backend_t be, size_t bytes);
 };

@@ -23,6 +23,7 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
         return;
     }
     ggml_backend_sched_synchronize(sched);
+    const int64_t t0 = ggml_time_us(); // the ubatch's compute is done: what follows is ours
     if (!leader && scorer->scores()) {
         const bool keys = scorer->summary_size() > 0;
         fetch_captures(sched, res, ubatch.n_tokens, keys);
@@ -37,6 +38,7 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
     for (uint32_t s = 0; s < ubatch.n_seqs_unq; ++s) {
         write_through(ubatch.seq_id_unq[s]);
     }
+    capture_us += ggml_time_us() - t0;
     publish();
 }
 

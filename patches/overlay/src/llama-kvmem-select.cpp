@@ -311,11 +311,12 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
 
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%zu staged_in=%u "
             "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s lexical=%u "
-            "score_ms=%.3f\n",
+            "score_ms=%.3f capture_ms=%.3f\n",
             seq_id, st.n_blocks(), geom.budget_blocks, share, plan.n_sink, plan.n_recent, plan.picks.size(), staged_in,
             staged_out, reused, plan.n_rows, ms, stage_ms, (double) staged_in*ws_block_bytes()/1024.0/1024.0,
             kvmem_reason_name(reason), pos, plan.n_question, kvmem_scorer::method_name(scorer->method()), plan.n_lexical,
-            score_us/1000.0);
+            score_us/1000.0, capture_us/1000.0);
+    capture_us = 0;
     if (kp.trace) {
         trace_resident(seq_id, st, pos, reason);
     }
@@ -336,8 +337,10 @@ void llama_kvmem_cache::log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_r
     totals.last_ms = 0.0;
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=0 recent=0 scored=0 staged_in=0 "
             "staged_out=0 reused=%zu query_tokens=0 ms=0.000 stage_ms=0.000 stage_mib=0.0 reason=%s pos=%d question=0 "
-            "method=%s lexical=0 fits=1\n", seq_id, st.n_blocks(), geom.budget_blocks, share, st.blocks.size(),
-            kvmem_reason_name(reason), pos, kvmem_scorer::method_name(scorer->method()));
+            "method=%s lexical=0 fits=1 capture_ms=%.3f\n", seq_id, st.n_blocks(), geom.budget_blocks, share,
+            st.blocks.size(), kvmem_reason_name(reason), pos, kvmem_scorer::method_name(scorer->method()),
+            capture_us/1000.0);
+    capture_us = 0;
     publish();
 }
 

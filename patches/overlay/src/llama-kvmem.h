@@ -280,6 +280,8 @@ private:
         double  last_ms       = 0.0;
     };
     counters totals;
+    // host time spent capturing and writing through after ubatches since the last SELECT line (which says it)
+    int64_t capture_us = 0;
     bool host_full_logged = false;
 
     mutable std::mutex snap_mutex;
