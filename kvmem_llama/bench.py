@@ -53,7 +53,7 @@ KV_BUFFER = re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB")
 REQUEST_DONE_WAIT_S = 10.0
 REFRESH_REASONS = ("refresh", "room")
 SELECTION_FIELDS = ("select_ms", "refresh_ms", "staged_in_blocks", "stage_ms", "stage_in_gbps", "prompt_select_ms",
-                    "score_ms")
+                    "score_ms", "capture_ms", "refresh_capture_ms")
 
 
 @dataclass
@@ -83,6 +83,10 @@ class BenchResult:
     stage_in_gbps: list[float] = field(default_factory=list)  # staged bytes / stage-in time
     prompt_select_ms: list[float] = field(default_factory=list)  # selections inside turn 2's prompt (reason=prefill)
     score_ms: list[float] = field(default_factory=list)  # the scorer's part of each turn selection (engines that say)
+    # host time after the ubatches (captures + write-through) before each turn selection (the prompt's) and before
+    # each re-selection (the generated tokens' since the last one), for engines that say
+    capture_ms: list[float] = field(default_factory=list)
+    refresh_capture_ms: list[float] = field(default_factory=list)
     # turn 1's selections (shared, like prefill_tps): select_ms, refresh_ms, staged_in_blocks, stage_ms,
     # stage_in_gbps, prompt_select_ms, as above
     turn1: dict = field(default_factory=dict)
@@ -152,6 +156,8 @@ def record_selections(text: str, result: BenchResult, block_bytes: int) -> None:
         reason = select.get("reason")
         if reason in REFRESH_REASONS:
             result.refresh_ms.append(float(select["ms"]))
+            if "capture_ms" in select:
+                result.refresh_capture_ms.append(float(select["capture_ms"]))
             continue
         if reason == "prefill":
             result.prompt_select_ms.append(float(select["ms"]))
@@ -160,6 +166,8 @@ def record_selections(text: str, result: BenchResult, block_bytes: int) -> None:
         result.staged_in_blocks.append(int(select["staged_in"]))
         if "score_ms" in select:
             result.score_ms.append(float(select["score_ms"]))
+        if "capture_ms" in select:
+            result.capture_ms.append(float(select["capture_ms"]))
         if "stage_ms" in select and "stage_mib" in select:
             # engines that time the copies themselves (the bytes moved are the cache type's)
             result.stage_ms.append(float(select["stage_ms"]))
@@ -314,6 +322,7 @@ def cells(rows: list[dict]) -> list[dict]:
             turn1_gbps = [g for r in servers for g in r.get("turn1", {}).get("stage_in_gbps", [])]
             stage = [ms for r in ok for ms in r.get("stage_ms", [])]
             score = [ms for r in ok for ms in r.get("score_ms", [])]
+            capture = [ms for r in ok for ms in r.get("capture_ms", [])]
             gbps = [g for r in ok for g in r.get("stage_in_gbps", [])]
             read = [r["turn2_prompt_tokens"] for r in ok if r.get("turn2_prompt_tokens")]
             cell["decode_tokens"] = max(r.get("decode_tokens", 0) for r in ok)
@@ -326,6 +335,7 @@ def cells(rows: list[dict]) -> list[dict]:
             cell["turn1_select_ms_median"] = _median(turn1) if turn1 else None
             cell["stage_ms_median"] = _median(stage) if stage else None
             cell["score_ms_median"] = _median(score) if score else None
+            cell["capture_ms_median"] = _median(capture) if capture else None  # turn 2's 512-token prompt
             cell["stage_in_gbps_median"] = _median(gbps) if gbps else None
             cell["turn1_stage_in_gbps_median"] = _median(turn1_gbps) if turn1_gbps else None
             cell["peak_vram_mib"] = max((r["peak_vram_mib"] or 0.0) for r in ok) or None

@@ -121,6 +121,9 @@ def test_bench_tiered_run_records_selections_refreshes_and_stage_in(cpu_engine: 
     assert len(row["stage_ms"]) == 1 and all(ms >= 0 for ms in row["stage_ms"] + row["turn1"]["stage_ms"])
     # the scorer's part is timed within the selection
     assert len(row["score_ms"]) == 1 and 0 <= row["score_ms"][0] <= row["select_ms"][0]
+    # the prompt's ubatches were captured and written through before the turn's selection: host time > 0
+    assert len(row["capture_ms"]) == 1 and row["capture_ms"][0] > 0
+    assert len(row["refresh_capture_ms"]) == len(row["refresh_ms"])
     # turn 1's selection brings the picked blocks in (after the prefill's window)
     assert row["turn1"]["staged_in_blocks"][0] > 0 and row["turn1"]["stage_in_gbps"][0] > 0
     (cell,) = cells([row])
@@ -134,8 +137,9 @@ def test_record_selections_sorts_select_lines_by_reason() -> None:
     keys = "seq=0 n_blocks=24 budget_blocks=6 share=6 sink=1 recent=2 scored=2 staged_out=0 reused=5 query_tokens=128"
     log = "\n".join([
         f"0.01 W kvmem_score: SELECT {keys} staged_in=4 ms=8.000 stage_ms=2.000 stage_mib=8.0 reason=turn pos=1024 "
-        "score_ms=5.000",
-        f"0.02 W kvmem_score: SELECT {keys} staged_in=1 ms=3.000 stage_ms=1.000 stage_mib=2.0 reason=refresh pos=1040",
+        "score_ms=5.000 capture_ms=40.000",
+        f"0.02 W kvmem_score: SELECT {keys} staged_in=1 ms=3.000 stage_ms=1.000 stage_mib=2.0 reason=refresh pos=1040 "
+        "score_ms=1.000 capture_ms=6.500",
         f"0.03 W kvmem_score: SELECT {keys} staged_in=0 ms=2.500 stage_ms=0.000 stage_mib=0.0 reason=room pos=1050",
         f"0.04 W kvmem_score: SELECT {keys} staged_in=2 ms=5.000 stage_ms=1.000 stage_mib=4.0 reason=prefill pos=512",
         f"0.05 W kvmem_score: SELECT {keys} staged_in=0 ms=0.000 stage_ms=0.000 stage_mib=0.0 reason=turn pos=9 fits=1",
@@ -148,4 +152,5 @@ def test_record_selections_sorts_select_lines_by_reason() -> None:
     assert result.refresh_ms == [3.0, 2.5] and result.prompt_select_ms == [5.0]
     assert result.staged_in_blocks == [4, 0, 2] and result.stage_ms == [2.0, 0.0]
     assert result.score_ms == [5.0]  # only the engines that time their scorer say it
+    assert result.capture_ms == [40.0] and result.refresh_capture_ms == [6.5]
     assert result.stage_in_gbps == [round(8 * 2**20 / 0.002 / 1e9, 2), round(2 * 2**20 / 0.004 / 1e9, 2)]
