@@ -24,11 +24,6 @@ kvmem_readback::~kvmem_readback() {
 }
 
 size_t kvmem_readback::add(ggml_tensor * t) {
-    if (fetched) {
-        queued.clear();
-        data.clear();
-        fetched = false;
-    }
     GGML_ASSERT(t && t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->buffer);
     queued.push_back(t);
     return queued.size() - 1;
@@ -51,7 +46,6 @@ uint8_t * kvmem_readback::scratch(ggml_backend_t be, size_t bytes) {
 }
 
 void kvmem_readback::fetch(ggml_backend_sched_t sched) {
-    fetched = true;
     data.assign(queued.size(), nullptr);
     std::vector<size_t> offset(queued.size(), 0);
     std::vector<ggml_backend_t> owner(queued.size(), nullptr);
@@ -66,6 +60,7 @@ void kvmem_readback::fetch(ggml_backend_sched_t sched) {
         owner[i] = kvmem_owner(sched, queued[i]);
     }
     if (bytes == 0) {
+        queued.clear();
         return;
     }
     const auto first = std::find_if(owner.begin(), owner.end(), [](ggml_backend_t be) { return be != nullptr; });
@@ -88,9 +83,10 @@ void kvmem_readback::fetch(ggml_backend_sched_t sched) {
     for (ggml_backend_t be : backends) {
         ggml_backend_synchronize(be);
     }
+    queued.clear(); // the tensors belong to this ubatch's graph: the next round adds its own
 }
 
 const float * kvmem_readback::rows(size_t i) const {
-    GGML_ASSERT(fetched && i < queued.size());
+    GGML_ASSERT(i < data.size());
     return (const float *) data[i];
 }

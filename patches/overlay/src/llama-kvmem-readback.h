@@ -21,18 +21,16 @@ public:
     kvmem_readback & operator=(const kvmem_readback &) = delete;
     ~kvmem_readback();
 
-    // queue f32 tensor t (whole) for the next fetch(); returns its index. The first add() after a fetch() starts
-    // a new round.
+    // queue f32 tensor t (whole) for this round; returns its index in the round
     size_t add(ggml_tensor * t);
-    // reads every queued tensor and waits for the copies
+    // reads every tensor of the round, waits for the copies and ends the round (an empty round reads nothing)
     void fetch(ggml_backend_sched_t sched);
-    // queued tensor i's values, valid until the graph runs again or the next round's fetch()
+    // the values of the last fetched round's tensor i, valid until the graph runs again or the next fetch()
     const float * rows(size_t i) const;
 
 private:
-    std::vector<ggml_tensor *> queued;
-    std::vector<const uint8_t *> data;
-    bool fetched = false;
+    std::vector<ggml_tensor *> queued;  // this round's
+    std::vector<const uint8_t *> data;  // the last fetched round's
     ggml_backend_buffer_t pinned = nullptr; // a GPU's host buffer, grown as needed
     std::vector<uint8_t> plain;             // when that device has no host buffer type
 

@@ -42,7 +42,8 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
     publish();
 }
 
-void llama_kvmem_cache::fetch_captures(ggml_backend_sched_t sched, const llm_graph_result * res, uint32_t n_tokens, bool keys) {
+void llama_kvmem_cache::fetch_captures(ggml_backend_sched_t sched, const llm_graph_result * res, uint32_t n_tokens,
+        bool keys) {
     // every tiered layer's pre-RoPE K (n_tokens rows) and Q (the ubatch's last rows) in one readback round; a layer
     // whose tensors are missing or of another shape (a graph without the hook) has none
     const size_t per_k = (size_t) dims.n_head_kv*dims.head_dim;
@@ -85,7 +86,12 @@ void llama_kvmem_cache::capture_keys(const llama_ubatch & ubatch) {
     const int32_t  B  = kp.block;
     const size_t per_k = (size_t) dims.n_head_kv*dims.head_dim;
     const uint32_t n_lt = lrows.size();
-    if (std::any_of(cap_k.begin(), cap_k.end(), [](const float * k) { return k == nullptr; })) {
+    if (cap_k.empty() || std::any_of(cap_k.begin(), cap_k.end(), [](const float * k) { return k == nullptr; })) {
+        if (!warned_no_keys) {
+            LLAMA_LOG_WARN("%s: kvmem: a tiered layer's keys were not captured; blocks get no summaries (recency)\n",
+                    __func__);
+            warned_no_keys = true;
+        }
         return;
     }
     std::map<llama_seq_id, std::map<llama_pos, uint32_t>> in_ubatch; // position -> token of this ubatch

@@ -22,7 +22,8 @@ struct kvmem_plan {
 
 // the query rows of a selection ([layer][head][head_dim] each): the question's rows, borrowed from the sequence
 // (no copy: a turn's are 50 MB on a 27B model), then the newest rows (owned): during generation the newest
-// generated tokens', inside a prompt (retrieval prefill) the prompt's newest rows alone
+// generated tokens', inside a prompt (retrieval prefill) the prompt's newest rows alone. It borrows st.turn.q:
+// use it only while the sequence's turn does not change (within one selection)
 struct kvmem_query {
     const float * turn = nullptr;
     uint32_t n_turn = 0;

@@ -8,6 +8,9 @@
 #include <stdexcept>
 
 kvmem_stager::~kvmem_stager() {
+    if (in_flight) {
+        ggml_backend_synchronize(be); // rounds still read the staging buffer
+    }
     if (galloc) {
         ggml_gallocr_free(galloc);
     }

@@ -253,6 +253,7 @@ private:
     kvmem_readback readback;
     std::vector<const float *> cap_k, cap_q; // into readback, for the ubatch being captured
     uint32_t n_cap_q = 0;                    // query rows per layer in cap_q
+    bool warned_no_keys = false;
 
     // memory operations (llama-kvmem-memory.cpp)
     bool seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos p1);
