@@ -380,7 +380,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"{_fmt(c['prefill_tps_median'])} | {_fmt(c['decode_tps_min'], 2)} / {_fmt(c['decode_tps_median'], 2)} | "
             f"{c['decode_tokens']} | {read} | {c['refreshes_per_run']:g} | "
             f"{_fmt_pair(c['refresh_ms_median'], c['refresh_ms_max'])} | "
-            f"{_fmt_pair(c['turn_select_ms_median'], c['turn_select_ms_max'])} | {_fmt(c.get('score_ms_median'))} | "
+            f"{_fmt_pair(c['turn_select_ms_median'], c['turn_select_ms_max'])} | {_fmt(c['score_ms_median'])} | "
             f"{_fmt(c['stage_ms_median'])} | "
             f"{gbps} | {_fmt(c['peak_vram_mib'], 0)} | {_fmt(c['kv_buffer_mib'], 0)} | "
             f"{_fmt(c['host_rss_peak_mib'], 0)} | {note} |")
