@@ -27,6 +27,10 @@ std::vector<float> kvmem_query::contiguous() const {
     return rows;
 }
 
+uint32_t kvmem_max_query_rows(uint32_t query_tokens) {
+    return query_tokens + std::max<uint32_t>(1, query_tokens/2);
+}
+
 kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens) {
     const size_t per = dims.query_row();
     kvmem_query q;
@@ -49,7 +53,7 @@ kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint
     q.turn = st.turn.q.data();
     q.n_turn = (uint32_t) (st.turn.q.size()/std::max<size_t>(per, 1));
     if (st.phase() == kvmem_phase::GEN && st.turn.pos >= 0) {
-        add_newest(std::max<uint32_t>(1, query_tokens/2), st.turn.pos);
+        add_newest(kvmem_max_query_rows(query_tokens) - query_tokens, st.turn.pos);
     }
     return q;
 }
@@ -302,6 +306,9 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     }
 
     const double ms = (ggml_time_us() - t_start)/1000.0;
+    // the graph scorer's part by phase (host clock: its compute part waits for the device); zeros on the host scorer
+    const kvmem_graph_scorer::timing gt =
+            graph_scorer && score_us > 0 ? graph_scorer->last_timing() : kvmem_graph_scorer::timing{};
     st.n_select++;
     st.last_ms = ms;
     totals.n_select++;
@@ -311,11 +318,13 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
 
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%zu staged_in=%u "
             "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s lexical=%u "
-            "score_ms=%.3f capture_ms=%.3f\n",
+            "score_ms=%.3f capture_ms=%.3f plan_ms=%.3f score_steps=%u score_build_ms=%.3f score_upload_ms=%.3f "
+            "score_compute_ms=%.3f\n",
             seq_id, st.n_blocks(), geom.budget_blocks, share, plan.n_sink, plan.n_recent, plan.picks.size(), staged_in,
             staged_out, reused, plan.n_rows, ms, stage_ms, (double) staged_in*ws_block_bytes()/1024.0/1024.0,
             kvmem_reason_name(reason), pos, plan.n_question, kvmem_scorer::method_name(scorer->method()), plan.n_lexical,
-            score_us/1000.0, capture_us/1000.0);
+            score_us/1000.0, capture_us/1000.0, (t_stage - t_start - score_us)/1000.0, gt.n_steps, gt.build_us/1000.0,
+            gt.upload_us/1000.0, gt.compute_us/1000.0);
     capture_us = 0;
     if (kp.trace) {
         trace_resident(seq_id, st, pos, reason);

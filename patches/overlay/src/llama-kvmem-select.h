@@ -35,6 +35,8 @@ struct kvmem_query {
     std::vector<float> contiguous() const; // both parts, one after the other
 };
 kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens);
+// the most rows kvmem_query_rows gives (a re-selection during generation: the question's and half as many newest)
+uint32_t kvmem_max_query_rows(uint32_t query_tokens);
 
 // scores of the blocks `ids` (all with summaries; `candidate` marks those that may be picked) for the query rows:
 // the host scorer over the host summaries, or the graph scorer over the device's (llama-kvmem-summaries.h)

@@ -247,12 +247,15 @@ llama_kvmem_cache::llama_kvmem_cache(
                 pool.capacity(), lrows.size(), std::ceil(pool.mib(pool.capacity())));
     } else {
         LLAMA_LOG_WARN("kvmem_score: ARMED blocks=%u block_tokens=%u layers=%zu kv_heads=%u head_dim=%u budget_blocks=%u "
-                "host_mib=%.0f method=%s prefill=%s gpu_type=%s/%s pool_type=%s/%s summaries_mib=%.0f score_on=%s\n",
+                "host_mib=%.0f method=%s prefill=%s gpu_type=%s/%s pool_type=%s/%s summaries_mib=%.0f score_mib=%.0f "
+                "score_on=%s\n",
                 pool.capacity(), kp.block, lrows.size(), dims.n_head_kv, dims.head_dim, geom.budget_blocks,
                 std::ceil(pool.mib(pool.capacity())), kvmem_scorer::method_name(scorer->method()),
                 kp.prefill == LLAMA_KVMEM_PREFILL_RETRIEVAL ? "retrieval" : "window",
                 ggml_type_name(this->type_k()), ggml_type_name(this->type_v()), ggml_type_name(type_k), ggml_type_name(type_v),
-                summaries ? std::ceil(summaries->bytes()/1024.0/1024.0) : 0.0, score_backend ? ggml_backend_name(score_backend) : "host");
+                summaries ? std::ceil(summaries->bytes()/1024.0/1024.0) : 0.0,
+                graph_scorer ? std::ceil(graph_scorer->compute_bytes()/1024.0/1024.0) : 0.0,
+                score_backend ? ggml_backend_name(score_backend) : "host");
     }
     LLAMA_LOG_INFO("%s: GPU working set %u cells (budget %u + gen reserve %u x %u sequences), sink %u block(s), recent %u block(s), "
             "query %u tokens, refresh %u\n", __func__, get_size(), kp.budget, kp.gen_reserve, n_seq_cap, geom.sink_blocks,
@@ -280,8 +283,9 @@ void llama_kvmem_cache::init_summaries() {
     summaries->init(ggml_backend_get_default_buffer_type(score_backend), dims,
             (uint32_t) (scorer->summary_size()/dims.key_row()), pool.capacity());
     graph_scorer = std::make_unique<kvmem_graph_scorer>(score_backend, *summaries);
-    LLAMA_LOG_INFO("%s: block summaries %.1f MiB on %s; scoring there\n", __func__, summaries->bytes()/1024.0/1024.0,
-            ggml_backend_name(score_backend));
+    graph_scorer->reserve(kvmem_max_query_rows(kp.query_tokens));
+    LLAMA_LOG_INFO("%s: block summaries %.1f MiB on %s, scoring there (compute buffer %.1f MiB)\n", __func__,
+            summaries->bytes()/1024.0/1024.0, ggml_backend_name(score_backend), graph_scorer->compute_bytes()/1024.0/1024.0);
 }
 
 llama_kvmem_cache::~llama_kvmem_cache() {

@@ -9,9 +9,6 @@
 #include <cmath>
 #include <stdexcept>
 
-// query rows per graph step: the step's [keys, rows, heads] attention matrix is the largest tensor of the graph
-static constexpr uint32_t KVMEM_ROWS_PER_STEP = 16;
-
 kvmem_summary_store::~kvmem_summary_store() {
     if (buf) {
         ggml_backend_buffer_free(buf);
@@ -21,15 +18,15 @@ kvmem_summary_store::~kvmem_summary_store() {
     }
 }
 
-void kvmem_summary_store::init(ggml_backend_buffer_type_t buft, const kvmem_dims & dims, uint32_t n_chunks, uint32_t slots) {
-    GGML_ASSERT(ctx == nullptr && n_chunks > 0 && slots > 0);
+void kvmem_summary_store::init(ggml_backend_buffer_type_t buft, const kvmem_dims & dims, uint32_t n_chunks, uint32_t n_slots) {
+    GGML_ASSERT(ctx == nullptr && n_chunks > 0 && n_slots > 0);
     d = dims;
     n_ch = n_chunks;
-    n_slots = slots;
+    slots = n_slots;
     ggml_init_params params = { ggml_tensor_overhead()*d.n_lt, nullptr, /*no_alloc*/ true };
     ctx = ggml_init(params);
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
-        ggml_tensor * t = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, d.head_dim, (int64_t) n_slots*n_ch, d.n_head_kv);
+        ggml_tensor * t = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, d.head_dim, (int64_t) slots*n_ch, d.n_head_kv);
         ggml_format_name(t, "kvmem_summaries-%u", lt);
         keys.push_back(t);
     }
@@ -42,11 +39,11 @@ void kvmem_summary_store::init(ggml_backend_buffer_type_t buft, const kvmem_dims
 }
 
 size_t kvmem_summary_store::bytes() const {
-    return (size_t) d.n_lt*d.n_head_kv*n_slots*n_ch*d.head_dim*sizeof(ggml_fp16_t);
+    return (size_t) d.n_lt*d.n_head_kv*slots*n_ch*d.head_dim*sizeof(ggml_fp16_t);
 }
 
 void kvmem_summary_store::put(uint32_t slot, const float * summary) {
-    GGML_ASSERT(slot < n_slots);
+    GGML_ASSERT(slot < slots);
     const size_t n = (size_t) n_ch*d.head_dim;
     row16.resize(n);
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
@@ -58,53 +55,53 @@ void kvmem_summary_store::put(uint32_t slot, const float * summary) {
     }
 }
 
-kvmem_graph_scorer::kvmem_graph_scorer(ggml_backend_t backend_in, const kvmem_summary_store & store_in) :
-        backend(backend_in), store(store_in) {
+kvmem_graph_scorer::kvmem_graph_scorer(ggml_backend_t backend_in, const kvmem_summary_store & store_in,
+        size_t step_bytes_in) : backend(backend_in), store(store_in), step_bytes(step_bytes_in) {
     galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend));
+}
+
+uint32_t kvmem_graph_scorer::rows_per_step(size_t n_blocks) const {
+    const size_t per_row = std::max<size_t>(1, n_blocks*store.n_chunks()*store.dims().n_head*sizeof(float));
+    return (uint32_t) std::clamp<size_t>(step_bytes/per_row, 1, UINT32_MAX);
 }
 
 kvmem_graph_scorer::~kvmem_graph_scorer() {
     ggml_gallocr_free(galloc);
 }
 
-void kvmem_graph_scorer::score(const std::vector<uint32_t> & slots, const std::vector<rows_span> & rows, std::vector<float> & out) {
+kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, uint32_t n_rows) {
     const kvmem_dims & d = store.dims();
     const uint32_t n_ch = store.n_chunks();
-    const int64_t n_blocks = (int64_t) slots.size();
-    uint32_t n_rows = 0;
-    for (const auto & r : rows) {
-        n_rows += r.n;
-    }
-    out.assign(slots.size(), 0.0f);
-    if (n_blocks == 0 || n_rows == 0) {
-        return;
-    }
+    const int64_t n_blocks = (int64_t) n_blocks_in;
     GGML_ASSERT(d.n_head % d.n_head_kv == 0);
     const int64_t group = d.n_head/d.n_head_kv; // query heads per KV head
-    const uint32_t n_steps = (n_rows + KVMEM_ROWS_PER_STEP - 1)/KVMEM_ROWS_PER_STEP;
-    const size_t n_nodes = (size_t) d.n_lt*(2 + 14*n_steps) + 16;
+    const uint32_t step_rows = std::min(n_rows, rows_per_step(n_blocks_in));
+    graph g;
+    g.n_steps = (n_rows + step_rows - 1)/step_rows;
+    const size_t n_nodes = (size_t) d.n_lt*(2 + 14*g.n_steps) + 16;
     meta.resize(ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false));
     ggml_init_params params = { meta.size(), meta.data(), /*no_alloc*/ true };
-    ggml_context * ctx = ggml_init(params);
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, n_nodes, false);
+    g.ctx = ggml_init(params);
+    ggml_context * ctx = g.ctx;
+    g.gf = ggml_new_graph_custom(ctx, n_nodes, false);
 
     // the chunk rows of these blocks, the same for every KV head; the query rows as they come ([row][layer][head]
     // [head_dim]), regrouped on the backend so that each KV head's summaries are read once per step for all the
     // query heads that share it
-    ggml_tensor * idx = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_blocks*n_ch, d.n_head_kv);
-    ggml_tensor * qin = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, (int64_t) n_rows*d.query_row());
-    ggml_set_input(idx);
-    ggml_set_input(qin);
+    g.idx = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_blocks*n_ch, d.n_head_kv);
+    g.qin = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, (int64_t) n_rows*d.query_row());
+    ggml_set_input(g.idx);
+    ggml_set_input(g.qin);
     ggml_tensor * total = nullptr;
     const float scale = 1.0f/std::sqrt((float) d.head_dim);
     const size_t fl = sizeof(float);
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
-        ggml_tensor * k = ggml_get_rows(ctx, store.layer(lt), idx); // [head_dim, keys, kv heads] f32
-        for (uint32_t s = 0; s < n_steps; ++s) {
-            const int64_t r0 = (int64_t) s*KVMEM_ROWS_PER_STEP;
-            const int64_t nr = std::min<int64_t>(KVMEM_ROWS_PER_STEP, n_rows - r0);
+        ggml_tensor * k = ggml_get_rows(ctx, store.layer(lt), g.idx); // [head_dim, keys, kv heads] f32
+        for (uint32_t s = 0; s < g.n_steps; ++s) {
+            const int64_t r0 = (int64_t) s*step_rows;
+            const int64_t nr = std::min<int64_t>(step_rows, n_rows - r0);
             // [head_dim, group, kv heads, rows] of this layer -> [head_dim, group*rows, kv heads]
-            ggml_tensor * qs = ggml_view_4d(ctx, qin, d.head_dim, group, d.n_head_kv, nr, d.head_dim*fl,
+            ggml_tensor * qs = ggml_view_4d(ctx, g.qin, d.head_dim, group, d.n_head_kv, nr, d.head_dim*fl,
                     group*d.head_dim*fl, d.query_row()*fl, ((size_t) r0*d.query_row() + (size_t) lt*d.n_head*d.head_dim)*fl);
             qs = ggml_cont(ctx, ggml_permute(ctx, qs, 0, 1, 3, 2));
             qs = ggml_reshape_3d(ctx, qs, d.head_dim, group*nr, d.n_head_kv);
@@ -117,26 +114,63 @@ void kvmem_graph_scorer::score(const std::vector<uint32_t> & slots, const std::v
         }
     }
     ggml_set_output(total);
-    ggml_build_forward_expand(gf, total);
-    GGML_ASSERT(ggml_gallocr_alloc_graph(galloc, gf) && "kvmem: cannot allocate the scoring graph");
+    ggml_build_forward_expand(g.gf, total);
+    g.total = total;
+    return g;
+}
 
-    idx_host.resize((size_t) n_blocks*n_ch*d.n_head_kv);
-    for (size_t i = 0; i < (size_t) n_blocks*n_ch; ++i) {
+void kvmem_graph_scorer::reserve(uint32_t max_rows) {
+    // the largest graph a selection builds (every slot scored, the most query rows): the compute buffer is taken
+    // now, once, instead of growing with the history (a reallocation frees and takes device memory, and waits)
+    if (max_rows == 0) {
+        return;
+    }
+    graph g = build(store.n_slots(), max_rows);
+    GGML_ASSERT(ggml_gallocr_reserve(galloc, g.gf) && "kvmem: cannot allocate the scoring graph");
+    ggml_free(g.ctx);
+}
+
+size_t kvmem_graph_scorer::compute_bytes() const {
+    return ggml_gallocr_get_buffer_size(galloc, 0);
+}
+
+void kvmem_graph_scorer::score(const std::vector<uint32_t> & slots, const std::vector<rows_span> & rows, std::vector<float> & out) {
+    const kvmem_dims & d = store.dims();
+    const uint32_t n_ch = store.n_chunks();
+    const size_t n_blocks = slots.size();
+    uint32_t n_rows = 0;
+    for (const auto & r : rows) {
+        n_rows += r.n;
+    }
+    out.assign(n_blocks, 0.0f);
+    last = {};
+    if (n_blocks == 0 || n_rows == 0) {
+        return;
+    }
+    const int64_t t0 = ggml_time_us();
+    graph g = build(n_blocks, n_rows);
+    GGML_ASSERT(ggml_gallocr_alloc_graph(galloc, g.gf) && "kvmem: cannot allocate the scoring graph");
+    const int64_t t1 = ggml_time_us();
+
+    idx_host.resize(n_blocks*n_ch*d.n_head_kv);
+    for (size_t i = 0; i < n_blocks*n_ch; ++i) {
         idx_host[i] = (int32_t) (slots[i/n_ch]*n_ch + i % n_ch);
     }
     for (uint32_t kv = 1; kv < d.n_head_kv; ++kv) {
         std::copy(idx_host.begin(), idx_host.begin() + n_blocks*n_ch, idx_host.begin() + kv*n_blocks*n_ch);
     }
-    ggml_backend_tensor_set(idx, idx_host.data(), 0, ggml_nbytes(idx));
+    ggml_backend_tensor_set(g.idx, idx_host.data(), 0, ggml_nbytes(g.idx));
     size_t at = 0;
     for (const auto & r : rows) {
-        const size_t bytes = (size_t) r.n*d.query_row()*fl;
+        const size_t bytes = (size_t) r.n*d.query_row()*sizeof(float);
         if (bytes > 0) {
-            ggml_backend_tensor_set(qin, r.data, at, bytes);
+            ggml_backend_tensor_set(g.qin, r.data, at, bytes);
         }
         at += bytes;
     }
-    GGML_ASSERT(ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS);
-    ggml_backend_tensor_get(total, out.data(), 0, out.size()*sizeof(float));
-    ggml_free(ctx);
+    const int64_t t2 = ggml_time_us();
+    GGML_ASSERT(ggml_backend_graph_compute(backend, g.gf) == GGML_STATUS_SUCCESS);
+    ggml_backend_tensor_get(g.total, out.data(), 0, out.size()*sizeof(float));
+    ggml_free(g.ctx);
+    last = { t1 - t0, t2 - t1, ggml_time_us() - t2, g.n_steps };
 }

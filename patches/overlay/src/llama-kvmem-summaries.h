@@ -34,23 +34,30 @@ public:
 
     size_t bytes() const;
     uint32_t n_chunks() const { return n_ch; }
+    uint32_t n_slots() const { return slots; }
     const kvmem_dims & dims() const { return d; }
     ggml_tensor * layer(uint32_t lt) const { return keys[lt]; } // [head_dim, n_slots*n_chunks, n_head_kv] f16
 
 private:
     kvmem_dims d;
     uint32_t n_ch = 0;
-    uint32_t n_slots = 0;
+    uint32_t slots = 0;
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
     std::vector<ggml_tensor *> keys;
     std::vector<ggml_fp16_t> row16; // conversion scratch
 };
 
+// the scoring graph's largest tensor, one step's attention matrix [keys, query heads x rows] f32, stays within
+// this: a step takes as many query rows as fit (at 32K tokens of a 27B model all of a refresh's 192 rows, one
+// step per layer; at 256K about 40). The planner counts it (kvmem_llama/planner.py SCORE_STEP_BYTES).
+static constexpr size_t KVMEM_SCORE_STEP_BYTES = (size_t) 128 << 20;
+
 class kvmem_graph_scorer {
 public:
-    // backend: where the store's buffer lives (the working set's device, or the CPU)
-    kvmem_graph_scorer(ggml_backend_t backend, const kvmem_summary_store & store);
+    // backend: where the store's buffer lives (the working set's device, or the CPU); step_bytes: the bound above
+    kvmem_graph_scorer(ggml_backend_t backend, const kvmem_summary_store & store,
+            size_t step_bytes = KVMEM_SCORE_STEP_BYTES);
     kvmem_graph_scorer(const kvmem_graph_scorer &) = delete;
     kvmem_graph_scorer & operator=(const kvmem_graph_scorer &) = delete;
     ~kvmem_graph_scorer();
@@ -66,9 +73,34 @@ public:
     // probability, squared, summed over (layer, head, row)
     void score(const std::vector<uint32_t> & slots, const std::vector<rows_span> & rows, std::vector<float> & out);
 
+    // query rows per graph step for this many blocks: as many as the step's bound holds, at least one
+    uint32_t rows_per_step(size_t n_blocks) const;
+
+    // take the compute buffer of the largest selection now (every slot, max_rows query rows); compute_bytes: its size
+    void reserve(uint32_t max_rows);
+    size_t compute_bytes() const;
+
+    // where the last score() spent its time (host microseconds): building and allocating the graph, uploading the
+    // query rows and block indices, computing and reading the scores back
+    struct timing {
+        int64_t build_us = 0, upload_us = 0, compute_us = 0;
+        uint32_t n_steps = 0;
+    };
+    const timing & last_timing() const { return last; }
+
 private:
+    struct graph {
+        ggml_context * ctx = nullptr; // in `meta`: free it when done
+        ggml_cgraph * gf = nullptr;
+        ggml_tensor * idx = nullptr, * qin = nullptr, * total = nullptr;
+        uint32_t n_steps = 0;
+    };
+    graph build(size_t n_blocks, uint32_t n_rows);
+
     ggml_backend_t backend;
     const kvmem_summary_store & store;
+    size_t step_bytes;
+    timing last;
     ggml_gallocr_t galloc = nullptr;
     std::vector<uint8_t> meta; // the graph's tensor and node structs (no data)
     std::vector<int32_t> idx_host;

@@ -2,6 +2,7 @@
 
 #include "test-kvmem.h"
 
+#include "llama-kvmem-select.h"
 #include "llama-kvmem-summaries.h"
 
 #include <algorithm>
@@ -34,7 +35,7 @@ KV_SUITE(summaries) {
         }
         mass.summarize([&](uint32_t t) { return keys.data() + t*d.key_row(); }, sums[b].data());
     }
-    const uint32_t n_rows = 20; // two graph steps
+    const uint32_t n_rows = 20;
     std::vector<float> q(n_rows*d.query_row());
     for (size_t i = 0; i < q.size(); ++i) {
         q[i] = 0.3f*noise(rng) + (i % d.head_dim == 0 ? 2.0f : 0.0f);
@@ -84,6 +85,42 @@ KV_SUITE(summaries) {
     for (int b = 0; b < n_blocks; ++b) {
         KV_CHECK(std::fabs(split[b] - dev_scores[b]) <= 1e-6f*std::max(1.0f, std::fabs(dev_scores[b])));
     }
+
+    // the step bound sets how many rows a step takes, never the scores: one row per step, then seven (the last
+    // step short), against all 20 in one step
+    KV_CHECK(graph.last_timing().n_steps == 1);
+    const size_t per_row = (size_t) n_blocks*n_ch*d.n_head*sizeof(float);
+    for (const uint32_t rows : { 1u, 7u }) {
+        kvmem_graph_scorer stepped(be, store, rows*per_row + per_row/2);
+        KV_CHECK(stepped.rows_per_step(n_blocks) == rows);
+        std::vector<float> s;
+        stepped.score(slots, { { q.data(), 7 }, { q.data() + 7*d.query_row(), n_rows - 7 } }, s);
+        KV_CHECK(stepped.last_timing().n_steps == (n_rows + rows - 1)/rows);
+        for (int b = 0; b < n_blocks; ++b) {
+            KV_CHECK(std::fabs(s[b] - dev_scores[b]) <= 1e-5f*std::max(1.0f, std::fabs(dev_scores[b])));
+        }
+    }
+    KV_CHECK(kvmem_graph_scorer(be, store, 1).rows_per_step(n_blocks) == 1); // a bound below one row: one
+
+    // a scorer reserved for the largest selection (every slot of the store, the most rows) keeps its compute
+    // buffer through smaller ones, and scores as before
+    {
+        kvmem_graph_scorer reserved(be, store, 3*per_row);
+        reserved.reserve(kvmem_max_query_rows(n_rows));
+        const size_t taken = reserved.compute_bytes();
+        KV_CHECK(taken > 0);
+        std::vector<float> s;
+        for (const uint32_t rows : { n_rows, 5u }) {
+            reserved.score(slots, { { q.data(), rows } }, s);
+            KV_CHECK(reserved.compute_bytes() == taken);
+        }
+        std::vector<float> one;
+        graph.score(slots, { { q.data(), 5 } }, one);
+        for (int b = 0; b < n_blocks; ++b) {
+            KV_CHECK(std::fabs(s[b] - one[b]) <= 1e-5f*std::max(1.0f, std::fabs(one[b])));
+        }
+    }
+    KV_CHECK(kvmem_max_query_rows(128) == 192 && kvmem_max_query_rows(1) == 2);
 
     // every query head reads its own KV head (heads 0-1 share KV head 0, 2-3 KV head 1): queries that differ per
     // head and keys that differ per KV head score as on the host
