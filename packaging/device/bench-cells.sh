@@ -5,7 +5,8 @@
 #   bench-cells.sh 4096:upstream 4096:tiering-off 4096:tiering-on 32768:tiering-on-mtp ...
 # configs: upstream, tiering-off, tiering-on (--kvmem-budget 32768), tiering-on-q5 (-ctk/-ctv q5_0:
 # a q5_0 host pool under an f16 working set), tiering-on-q5-same (q5_0 on the GPU too), upstream-q5,
-# upstream-mtp and tiering-on-mtp (--spec-type draft-mtp on the model with the MTP head).
+# upstream-mtp and tiering-on-mtp (--spec-type draft-mtp on the model with the MTP head); tiering-on-recency
+# (--kvmem-method recency: no key or query captures, no scoring: what tiering costs without them).
 # REPEATS (default 3) repeats of turn 2 per cell, all on one server after one turn-1 prefill (the prompt
 # cache keeps the prefix: a repeat reads 512 new tokens, then generates); FRESH_SERVERS=1 starts a server,
 # and so a prefill, per repeat instead (independent prefill repeats, a full prefill each).
@@ -31,6 +32,7 @@ for cell in "$@"; do
     upstream)       engine=upstream-cuda-sm90; args="$GPU" ;;
     tiering-off)    engine=cuda-sm90; args="$GPU" ;;
     tiering-on)     engine=cuda-sm90; args="$GPU --kvmem-budget 32768" ;;
+    tiering-on-recency) engine=cuda-sm90; args="$GPU --kvmem-budget 32768 --kvmem-method recency" ;;
     tiering-on-q5)  engine=cuda-sm90; args="$GPU --kvmem-budget 32768 -ctk q5_0 -ctv q5_0" ;;
     tiering-on-q5-same) engine=cuda-sm90; args="$GPU --kvmem-budget 32768 -ctk q5_0 -ctv q5_0 --kvmem-gpu-type same" ;;
     upstream-q5)    engine=upstream-cuda-sm90; args="$GPU -ctk q5_0 -ctv q5_0" ;;
