@@ -53,7 +53,10 @@ KV_BUFFER = re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB")
 REQUEST_DONE_WAIT_S = 10.0
 REFRESH_REASONS = ("refresh", "room")
 SELECTION_FIELDS = ("select_ms", "refresh_ms", "staged_in_blocks", "stage_ms", "stage_in_gbps", "prompt_select_ms",
-                    "score_ms", "capture_ms", "refresh_capture_ms")
+                    "score_ms", "capture_ms", "refresh_capture_ms", "phases")
+# a selection's time by part, for engines that say (SELECT's plan_ms and the graph scorer's phases)
+PHASE_FIELDS = ("reason", "ms", "stage_ms", "score_ms", "plan_ms", "score_steps", "score_build_ms", "score_upload_ms",
+                "score_compute_ms", "score_uploaded_rows")
 
 
 @dataclass
@@ -87,6 +90,7 @@ class BenchResult:
     # each re-selection (the generated tokens' since the last one), for engines that say
     capture_ms: list[float] = field(default_factory=list)
     refresh_capture_ms: list[float] = field(default_factory=list)
+    phases: list[dict] = field(default_factory=list)  # every selection's PHASE_FIELDS, turns and re-selections
     # turn 1's selections (shared, like prefill_tps): select_ms, refresh_ms, staged_in_blocks, stage_ms,
     # stage_in_gbps, prompt_select_ms, as above
     turn1: dict = field(default_factory=dict)
@@ -154,6 +158,8 @@ def record_selections(text: str, result: BenchResult, block_bytes: int) -> None:
         if select is None:
             continue
         reason = select.get("reason")
+        if "plan_ms" in select:
+            result.phases.append({key: select[key] for key in PHASE_FIELDS if key in select})
         if reason in REFRESH_REASONS:
             result.refresh_ms.append(float(select["ms"]))
             if "capture_ms" in select:
@@ -322,6 +328,8 @@ def cells(rows: list[dict]) -> list[dict]:
             turn1_gbps = [g for r in servers for g in r.get("turn1", {}).get("stage_in_gbps", [])]
             stage = [ms for r in ok for ms in r.get("stage_ms", [])]
             score = [ms for r in ok for ms in r.get("score_ms", [])]
+            refresh_score = [p["score_ms"] for r in ok for p in r.get("phases", [])
+                             if p.get("reason") in REFRESH_REASONS]
             capture = [ms for r in ok for ms in r.get("capture_ms", [])]
             gbps = [g for r in ok for g in r.get("stage_in_gbps", [])]
             read = [r["turn2_prompt_tokens"] for r in ok if r.get("turn2_prompt_tokens")]
@@ -335,6 +343,7 @@ def cells(rows: list[dict]) -> list[dict]:
             cell["turn1_select_ms_median"] = _median(turn1) if turn1 else None
             cell["stage_ms_median"] = _median(stage) if stage else None
             cell["score_ms_median"] = _median(score) if score else None
+            cell["refresh_score_ms_median"] = _median(refresh_score) if refresh_score else None
             cell["capture_ms_median"] = _median(capture) if capture else None  # turn 2's 512-token prompt
             cell["stage_in_gbps_median"] = _median(gbps) if gbps else None
             cell["turn1_stage_in_gbps_median"] = _median(turn1_gbps) if turn1_gbps else None

@@ -5,8 +5,8 @@
     kvmem_score: SELECT seq=.. n_blocks=.. budget_blocks=.. share=.. sink=.. recent=.. scored=.. staged_in=..
                  staged_out=.. reused=.. query_tokens=.. ms=.. stage_ms=.. stage_mib=.. reason=.. pos=..
                  question=.. method=.. lexical=.. score_ms=.. capture_ms=.. plan_ms=.. score_steps=..
-                 score_build_ms=.. score_upload_ms=.. score_compute_ms=.. [fits=1: the whole history is
-                 resident, nothing was scored]
+                 score_build_ms=.. score_upload_ms=.. score_compute_ms=.. score_uploaded_rows=..
+                 [fits=1: the whole history is resident, nothing was scored]
     kvmem_score: FOLLOW seq=.. n_blocks=.. staged_in=.. staged_out=.. resident=.. target_resident=.. common=..
     kvmem_score: DRAFT follows the target's selection: blocks=.. layers=.. host_mib=..
     kvmem_score: DISABLED (<reason>)
@@ -16,12 +16,13 @@ SELECT is a selection of the blocks of one sequence: `reason` is turn (a prompt'
 (during generation), or prefill (inside a prompt, retrieval prefill mode); `pos` the position from which
 the new working set applies; `question` the blocks of the last user message kept resident; `share` the
 sequence's part of the budget in blocks when parallel sequences share it; `ms` the whole selection, of which
-`score_ms` the scorer and `stage_ms` the copies; `plan_ms` the rest of the planning (query rows, lexical
-picks, ranking); the graph scorer's part by phase: `score_steps` graph steps of query rows, `score_build_ms`
-building and allocating the graph, `score_upload_ms` the query rows and block indices, `score_compute_ms` the
-graph and its scores back (zeros with the host scorer); `capture_ms` the host time spent after ubatches (captures
-and write-through) since the previous SELECT line. ARMED's `score_mib` is the scoring graph's compute buffer,
-taken at startup for the largest selection. FOLLOW is an MTP draft context
+`score_ms` the scorer, `stage_ms` the copies and `plan_ms` the rest of the planning (query rows, lexical picks,
+ranking). The graph scorer's part by phase (zeros with the host scorer): `score_steps` graph steps of query
+rows, `score_build_ms` building and allocating the graph, `score_upload_ms` the query rows and block indices
+(`score_uploaded_rows`: the question's rows stay on the device for the turn's re-selections, which upload only
+the newest rows), `score_compute_ms` the graph and its scores back. `capture_ms` is the host time spent after
+ubatches (captures and write-through) since the previous SELECT line. ARMED's `score_mib` is the scoring
+graph's device memory, taken at startup for the largest selection. FOLLOW is an MTP draft context
 bringing its resident blocks in line with the target's; DRAFT announces such a follower. The resident
 trace line lists the blocks resident after a selection (`layers` tells a target's cache from its draft
 model's in one log).

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.hardware import Hardware
 from kvmem_llama.models import NotDownloaded, remote_header, resolve_model
-from kvmem_llama.models.gguf_info import ModelInfo, model_info
+from kvmem_llama.models.gguf_info import SUMMARY_CHUNK_TOKENS, ModelInfo, model_info
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -117,14 +117,22 @@ def _working_bytes(info: ModelInfo, choice: tuple[str, str, str]) -> int:
 
 
 STAGING_BYTES = 64 * MiB  # the engine's staging buffer for block copies (llama-kvmem-pool.cpp)
+SCORE_STEP_BYTES = 96 * MiB  # the scoring graph's bound on one step's attention matrix (llama-kvmem-summaries.h)
+QUERY_TOKENS = 128  # --kvmem-query-tokens' default: a re-selection scores 1.5x as many query rows
 
 
 def summary_bytes(info: ModelInfo, ctx: int) -> int:
     """VRAM of scoring on the GPU: the block summaries (the engine sizes them for every block of the host pool),
-    the scoring graph's scratch (one layer's summaries as f32 and its attention probabilities, about 4x one
-    layer's f16 summaries) and the staging buffer."""
-    summaries = info.summary_bytes_per_token * (ctx // BLOCK_TOKENS + 2) * BLOCK_TOKENS
-    return summaries + 4 * summaries // max(1, info.n_attention_layers) + STAGING_BYTES
+    the scoring graph's memory, taken at startup for the largest selection (one layer's summaries gathered as f32,
+    one step's attention matrix, the query rows of a re-selection), and the staging buffer."""
+    tokens = (ctx // BLOCK_TOKENS + 2) * BLOCK_TOKENS
+    summaries = info.summary_bytes_per_token * tokens
+    layers = max(1, info.n_attention_layers)
+    heads = info.n_heads or 0
+    rows = QUERY_TOKENS + QUERY_TOKENS // 2
+    attention = min(SCORE_STEP_BYTES, rows * (tokens // SUMMARY_CHUNK_TOKENS) * heads * 4)
+    query_rows = rows * heads * (info.head_dim_k or 0) * layers * 4
+    return summaries + 2 * summaries // layers + attention + query_rows + STAGING_BYTES
 
 
 def _gpu_kv_choice(info: ModelInfo, kv_room: int, ctx: int, gen_reserve: int,

@@ -139,7 +139,8 @@ def test_record_selections_sorts_select_lines_by_reason() -> None:
         f"0.01 W kvmem_score: SELECT {keys} staged_in=4 ms=8.000 stage_ms=2.000 stage_mib=8.0 reason=turn pos=1024 "
         "score_ms=5.000 capture_ms=40.000",
         f"0.02 W kvmem_score: SELECT {keys} staged_in=1 ms=3.000 stage_ms=1.000 stage_mib=2.0 reason=refresh pos=1040 "
-        "score_ms=1.000 capture_ms=6.500",
+        "score_ms=1.000 capture_ms=6.500 plan_ms=0.500 score_steps=1 score_build_ms=0.100 score_upload_ms=0.200 "
+        "score_compute_ms=0.700 score_uploaded_rows=64",
         f"0.03 W kvmem_score: SELECT {keys} staged_in=0 ms=2.500 stage_ms=0.000 stage_mib=0.0 reason=room pos=1050",
         f"0.04 W kvmem_score: SELECT {keys} staged_in=2 ms=5.000 stage_ms=1.000 stage_mib=4.0 reason=prefill pos=512",
         f"0.05 W kvmem_score: SELECT {keys} staged_in=0 ms=0.000 stage_ms=0.000 stage_mib=0.0 reason=turn pos=9 fits=1",
@@ -153,4 +154,8 @@ def test_record_selections_sorts_select_lines_by_reason() -> None:
     assert result.staged_in_blocks == [4, 0, 2] and result.stage_ms == [2.0, 0.0]
     assert result.score_ms == [5.0]  # only the engines that time their scorer say it
     assert result.capture_ms == [40.0] and result.refresh_capture_ms == [6.5]
+    # the parts of a selection, from the engines that time them
+    assert result.phases == [{"reason": "refresh", "ms": 3.0, "stage_ms": 1.0, "score_ms": 1.0, "plan_ms": 0.5,
+                              "score_steps": 1, "score_build_ms": 0.1, "score_upload_ms": 0.2, "score_compute_ms": 0.7,
+                              "score_uploaded_rows": 64}]
     assert result.stage_in_gbps == [round(8 * 2**20 / 0.002 / 1e9, 2), round(2 * 2**20 / 0.004 / 1e9, 2)]

@@ -52,6 +52,7 @@ kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint
     }
     q.turn = st.turn.q.data();
     q.n_turn = (uint32_t) (st.turn.q.size()/std::max<size_t>(per, 1));
+    q.turn_serial = st.turn.q_serial;
     if (st.phase() == kvmem_phase::GEN && st.turn.pos >= 0) {
         add_newest(kvmem_max_query_rows(query_tokens) - query_tokens, st.turn.pos);
     }
@@ -190,7 +191,7 @@ kvmem_score_fn llama_kvmem_cache::score_fn(const kvmem_seq & st) {
             slots.push_back(st.blocks.at(b).slot);
         }
         copier.wait(); // the summaries' uploads share the device's stream
-        graph_scorer->score(slots, { { q.turn, q.n_turn }, { q.newest.data(), q.n_newest } }, out);
+        graph_scorer->score(slots, { { q.turn, q.n_turn, q.turn_serial }, { q.newest.data(), q.n_newest } }, out);
     };
 }
 
@@ -206,6 +207,7 @@ void llama_kvmem_cache::begin_turn_query(llama_seq_id seq_id, kvmem_seq & st, ll
             st.turn.q.insert(st.turn.q.end(), r->second.begin(), r->second.end());
         }
     }
+    st.turn.q_serial = ++turn_serials;
     std::vector<llama_token> span;
     for (llama_pos qp = std::max<llama_pos>(0, q0); qp < q1; ++qp) {
         const auto bt = st.rows.tokens.find(qp/kp.block);
@@ -319,12 +321,12 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%zu staged_in=%u "
             "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s lexical=%u "
             "score_ms=%.3f capture_ms=%.3f plan_ms=%.3f score_steps=%u score_build_ms=%.3f score_upload_ms=%.3f "
-            "score_compute_ms=%.3f\n",
+            "score_compute_ms=%.3f score_uploaded_rows=%u\n",
             seq_id, st.n_blocks(), geom.budget_blocks, share, plan.n_sink, plan.n_recent, plan.picks.size(), staged_in,
             staged_out, reused, plan.n_rows, ms, stage_ms, (double) staged_in*ws_block_bytes()/1024.0/1024.0,
             kvmem_reason_name(reason), pos, plan.n_question, kvmem_scorer::method_name(scorer->method()), plan.n_lexical,
             score_us/1000.0, capture_us/1000.0, (t_stage - t_start - score_us)/1000.0, gt.n_steps, gt.build_us/1000.0,
-            gt.upload_us/1000.0, gt.compute_us/1000.0);
+            gt.upload_us/1000.0, gt.compute_us/1000.0, gt.n_uploaded);
     capture_us = 0;
     if (kp.trace) {
         trace_resident(seq_id, st, pos, reason);

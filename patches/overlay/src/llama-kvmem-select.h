@@ -27,6 +27,7 @@ struct kvmem_plan {
 struct kvmem_query {
     const float * turn = nullptr;
     uint32_t n_turn = 0;
+    uint64_t turn_serial = 0; // st.turn.q_serial
     std::vector<float> newest;
     uint32_t n_newest = 0;
     size_t per = 0; // floats per row

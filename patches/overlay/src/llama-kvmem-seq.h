@@ -102,6 +102,7 @@ struct kvmem_turn {
     llama_pos pos = -1;          // end of the prompt (position of the first generated token)
     llama_pos q0  = -1, q1 = -1; // the question span [q0, q1)
     std::vector<float> q;        // the question's query rows
+    uint64_t q_serial = 0;       // names these rows (unique within the cache; 0: none): a scorer may keep them
     std::vector<std::pair<llama_token, float>> tokens; // the question's tokens, weighted toward its end
 };
 

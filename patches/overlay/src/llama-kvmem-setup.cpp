@@ -283,7 +283,7 @@ void llama_kvmem_cache::init_summaries() {
     summaries->init(ggml_backend_get_default_buffer_type(score_backend), dims,
             (uint32_t) (scorer->summary_size()/dims.key_row()), pool.capacity());
     graph_scorer = std::make_unique<kvmem_graph_scorer>(score_backend, *summaries);
-    graph_scorer->reserve(kvmem_max_query_rows(kp.query_tokens));
+    graph_scorer->reserve(kvmem_max_query_rows(kp.query_tokens), kp.query_tokens);
     LLAMA_LOG_INFO("%s: block summaries %.1f MiB on %s, scoring there (compute buffer %.1f MiB)\n", __func__,
             summaries->bytes()/1024.0/1024.0, ggml_backend_name(score_backend), graph_scorer->compute_bytes()/1024.0/1024.0);
 }

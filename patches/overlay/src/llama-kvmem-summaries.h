@@ -49,9 +49,9 @@ private:
 };
 
 // the scoring graph's largest tensor, one step's attention matrix [keys, query heads x rows] f32, stays within
-// this: a step takes as many query rows as fit (at 32K tokens of a 27B model all of a refresh's 192 rows, one
-// step per layer; at 256K about 40). The planner counts it (kvmem_llama/planner.py SCORE_STEP_BYTES).
-static constexpr size_t KVMEM_SCORE_STEP_BYTES = (size_t) 128 << 20;
+// this: a step takes as many query rows as fit (on a 27B model all of a refresh's 192 rows at 32K tokens, one
+// step per layer; 31 at 256K). The planner counts it (kvmem_llama/planner.py SCORE_STEP_BYTES).
+static constexpr size_t KVMEM_SCORE_STEP_BYTES = (size_t) 96 << 20;
 
 class kvmem_graph_scorer {
 public:
@@ -62,10 +62,13 @@ public:
     kvmem_graph_scorer & operator=(const kvmem_graph_scorer &) = delete;
     ~kvmem_graph_scorer();
 
-    // n rows of [layer][head][head_dim] floats, contiguous
+    // n rows of [layer][head][head_dim] floats, contiguous. serial != 0 (the first span only): these rows are the
+    // same whenever this serial comes again, so they stay on the backend and are not uploaded again (a turn's
+    // question rows, scored at the turn and at each re-selection during its answer)
     struct rows_span {
         const float * data;
         uint32_t n;
+        uint64_t serial = 0;
     };
 
     // out[i]: the score of the block in slots[i] for the query rows (the spans one after the other): the softmax
@@ -76,15 +79,16 @@ public:
     // query rows per graph step for this many blocks: as many as the step's bound holds, at least one
     uint32_t rows_per_step(size_t n_blocks) const;
 
-    // take the compute buffer of the largest selection now (every slot, max_rows query rows); compute_bytes: its size
-    void reserve(uint32_t max_rows);
+    // take the backend memory of the largest selection now: the compute buffer for every slot and max_rows query
+    // rows, and room to keep max_kept rows of a serial span; compute_bytes: both
+    void reserve(uint32_t max_rows, uint32_t max_kept);
     size_t compute_bytes() const;
 
     // where the last score() spent its time (host microseconds): building and allocating the graph, uploading the
-    // query rows and block indices, computing and reading the scores back
+    // query rows and block indices, computing and reading the scores back; the rows it uploaded
     struct timing {
         int64_t build_us = 0, upload_us = 0, compute_us = 0;
-        uint32_t n_steps = 0;
+        uint32_t n_steps = 0, n_uploaded = 0;
     };
     const timing & last_timing() const { return last; }
 
@@ -95,12 +99,18 @@ private:
         ggml_tensor * idx = nullptr, * qin = nullptr, * total = nullptr;
         uint32_t n_steps = 0;
     };
-    graph build(size_t n_blocks, uint32_t n_rows);
+    // n_kept of the n_rows query rows (the first) come from `kept`, the others from the graph's input
+    graph build(size_t n_blocks, uint32_t n_rows, uint32_t n_kept);
 
     ggml_backend_t backend;
     const kvmem_summary_store & store;
     size_t step_bytes;
     timing last;
+    ggml_context * kept_ctx = nullptr;   // the kept rows of a serial span, in their own buffer
+    ggml_backend_buffer_t kept_buf = nullptr;
+    ggml_tensor * kept = nullptr;
+    uint64_t kept_serial = 0;
+    uint32_t kept_n = 0;
     ggml_gallocr_t galloc = nullptr;
     std::vector<uint8_t> meta; // the graph's tensor and node structs (no data)
     std::vector<int32_t> idx_host;

@@ -283,6 +283,7 @@ private:
     counters totals;
     // host time spent capturing and writing through after ubatches since the last SELECT line (which says it)
     int64_t capture_us = 0;
+    uint64_t turn_serials = 0; // the last turn's kvmem_turn::q_serial
     bool host_full_logged = false;
 
     mutable std::mutex snap_mutex;

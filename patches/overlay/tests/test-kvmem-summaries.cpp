@@ -102,24 +102,6 @@ KV_SUITE(summaries) {
     }
     KV_CHECK(kvmem_graph_scorer(be, store, 1).rows_per_step(n_blocks) == 1); // a bound below one row: one
 
-    // a scorer reserved for the largest selection (every slot of the store, the most rows) keeps its compute
-    // buffer through smaller ones, and scores as before
-    {
-        kvmem_graph_scorer reserved(be, store, 3*per_row);
-        reserved.reserve(kvmem_max_query_rows(n_rows));
-        const size_t taken = reserved.compute_bytes();
-        KV_CHECK(taken > 0);
-        std::vector<float> s;
-        for (const uint32_t rows : { n_rows, 5u }) {
-            reserved.score(slots, { { q.data(), rows } }, s);
-            KV_CHECK(reserved.compute_bytes() == taken);
-        }
-        std::vector<float> one;
-        graph.score(slots, { { q.data(), 5 } }, one);
-        for (int b = 0; b < n_blocks; ++b) {
-            KV_CHECK(std::fabs(s[b] - one[b]) <= 1e-5f*std::max(1.0f, std::fabs(one[b])));
-        }
-    }
     KV_CHECK(kvmem_max_query_rows(128) == 192 && kvmem_max_query_rows(1) == 2);
 
     // every query head reads its own KV head (heads 0-1 share KV head 0, 2-3 KV head 1): queries that differ per
@@ -138,6 +120,55 @@ KV_SUITE(summaries) {
     }
     KV_CHECK(worst_h < 2e-2);
 
+    // a scorer reserved for the largest selection (every slot of the store, the most rows) keeps its compute
+    // buffer through smaller ones, and scores as before
+    {
+        kvmem_graph_scorer reserved(be, store, 3*per_row);
+        reserved.reserve(kvmem_max_query_rows(n_rows), n_rows);
+        const size_t taken = reserved.compute_bytes();
+        KV_CHECK(taken > 0);
+        std::vector<float> s;
+        for (const uint32_t rows : { n_rows, 5u }) {
+            reserved.score(slots, { { q.data(), rows } }, s);
+            KV_CHECK(reserved.compute_bytes() == taken);
+        }
+        std::vector<float> one;
+        graph.score(slots, { { q.data(), 5 } }, one);
+        for (int b = 0; b < n_blocks; ++b) {
+            KV_CHECK(std::fabs(s[b] - one[b]) <= 1e-5f*std::max(1.0f, std::fabs(one[b])));
+        }
+
+        // a span with a serial stays on the backend: uploaded once, scored as if uploaded each time; a new serial
+        // (the next turn's rows) replaces it; rows too many to keep are uploaded as they come
+        auto same = [&](const std::vector<float> & a, const std::vector<float> & b) {
+            bool ok = a.size() == b.size();
+            for (size_t i = 0; ok && i < a.size(); ++i) {
+                ok = std::fabs(a[i] - b[i]) <= 1e-5f*std::max(1.0f, std::fabs(b[i]));
+            }
+            return ok;
+        };
+        const kvmem_graph_scorer::rows_span tail = { q.data() + 7*d.query_row(), n_rows - 7 };
+        std::vector<float> k1, k2;
+        reserved.score(slots, { { q.data(), 7, /*serial*/ 1 }, tail }, k1);
+        KV_CHECK(reserved.last_timing().n_uploaded == n_rows && same(k1, dev_scores));
+        reserved.score(slots, { { q.data(), 7, 1 }, tail }, k2);
+        KV_CHECK(reserved.last_timing().n_uploaded == n_rows - 7 && same(k2, dev_scores));
+        reserved.score(slots, { { q.data(), 7, 1 } }, k2); // the kept rows alone
+        std::vector<float> first7;
+        graph.score(slots, { { q.data(), 7 } }, first7);
+        KV_CHECK(reserved.last_timing().n_uploaded == 0 && same(k2, first7));
+        reserved.score(slots, { { qh.data(), 7, 2 }, { qh.data() + 7*d.query_row(), n_rows - 7 } }, k2);
+        KV_CHECK(reserved.last_timing().n_uploaded == n_rows && same(k2, dev_h));
+        reserved.score(slots, { { qh.data(), n_rows, 3 } }, k2);
+        KV_CHECK(reserved.last_timing().n_uploaded == n_rows && same(k2, dev_h));
+        std::vector<float> big(2*n_rows*d.query_row());
+        std::copy(qh.begin(), qh.end(), big.begin());
+        std::copy(qh.begin(), qh.end(), big.begin() + qh.size());
+        reserved.score(slots, { { big.data(), 2*n_rows, 4 } }, k2); // more than it keeps: uploaded, not kept
+        KV_CHECK(reserved.last_timing().n_uploaded == 2*n_rows);
+        reserved.score(slots, { { qh.data(), n_rows, 3 } }, k2);
+        KV_CHECK(reserved.last_timing().n_uploaded == 0 && same(k2, dev_h)); // serial 3 still kept
+    }
     // an empty question scores nothing
     std::vector<float> none;
     graph.score(slots, {}, none);
