@@ -26,7 +26,7 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
     const int64_t t0 = ggml_time_us(); // the ubatch's compute is done: what follows is ours
     if (!leader && scorer->scores()) {
         const bool keys = scorer->summary_size() > 0;
-        fetch_captures(sched, res, ubatch.n_tokens, keys);
+        fetch_captures(sched, res, ubatch.n_tokens, keys, wants_query_rows(ubatch));
         if (keys) {
             capture_keys(ubatch);
         }
@@ -42,10 +42,27 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
     publish();
 }
 
+bool llama_kvmem_cache::wants_query_rows(const llama_ubatch & ubatch) const {
+    // inside a prompt only the ubatches near its end can hold the turn's query; a retrieval prefill selects with the
+    // newest rows of every ubatch
+    if (kp.prefill == LLAMA_KVMEM_PREFILL_RETRIEVAL) {
+        return true;
+    }
+    std::map<llama_seq_id, llama_pos> last;
+    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+        auto & l = last.try_emplace(ubatch.seq_id[i][0], ubatch.pos[i]).first->second;
+        l = std::max(l, ubatch.pos[i]);
+    }
+    return std::any_of(last.begin(), last.end(), [&](const auto & sl) {
+        const kvmem_seq * st = find_seq(sl.first);
+        return !st || st->wants_query_rows(sl.second, kp.query_tokens + KVMEM_ROW_SLACK);
+    });
+}
+
 void llama_kvmem_cache::fetch_captures(ggml_backend_sched_t sched, const llm_graph_result * res, uint32_t n_tokens,
-        bool keys) {
-    // every tiered layer's pre-RoPE K (n_tokens rows) and Q (the ubatch's last rows) in one readback round; a layer
-    // whose tensors are missing or of another shape (a graph without the hook) has none
+        bool keys, bool queries) {
+    // every tiered layer's pre-RoPE K (n_tokens rows) and Q (the ubatch's last rows, when `queries`) in one readback
+    // round; a layer whose tensors are missing or of another shape (a graph without the hook) has none
     const size_t per_k = (size_t) dims.n_head_kv*dims.head_dim;
     const size_t per_q = (size_t) dims.n_head*dims.head_dim;
     const uint32_t n_lt = lrows.size();
@@ -55,7 +72,7 @@ void llama_kvmem_cache::fetch_captures(ggml_backend_sched_t sched, const llm_gra
     for (uint32_t lt = 0; lt < n_lt; ++lt) {
         const uint32_t il = lrows[lt].il;
         ggml_tensor * k = keys && il < res->t_kvmem_k.size() ? res->t_kvmem_k[il] : nullptr;
-        ggml_tensor * q = il < res->t_kvmem_q.size() ? res->t_kvmem_q[il] : nullptr;
+        ggml_tensor * q = queries && il < res->t_kvmem_q.size() ? res->t_kvmem_q[il] : nullptr;
         if (k && (size_t) ggml_nelements(k) == per_k*n_tokens) {
             ik[lt] = (int64_t) readback.add(k);
         }

@@ -22,8 +22,12 @@ static constexpr llama_pos POS_END = std::numeric_limits<llama_pos>::max();
 //
 
 std::vector<float> kvmem_query::contiguous() const {
-    std::vector<float> rows(turn, turn + (size_t) n_turn*per);
-    rows.insert(rows.end(), newest.begin(), newest.end());
+    std::vector<float> rows;
+    rows.reserve((size_t) n_rows()*per);
+    rows.insert(rows.end(), turn, turn + (size_t) n_turn*per);
+    for (const float * r : newest) {
+        rows.insert(rows.end(), r, r + per);
+    }
     return rows;
 }
 
@@ -42,8 +46,8 @@ kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint
             picked.push_back(&it->second);
         }
         for (auto p = picked.rbegin(); p != picked.rend(); ++p) {
-            q.newest.insert(q.newest.end(), (*p)->begin(), (*p)->end());
-            q.n_newest++;
+            GGML_ASSERT((*p)->size() == per && "a query row is [layer][head][head_dim]");
+            q.newest.push_back((*p)->data());
         }
     };
     if (st.phase() == kvmem_phase::PROMPT && st.turn.q0 < 0) {
@@ -191,7 +195,11 @@ kvmem_score_fn llama_kvmem_cache::score_fn(const kvmem_seq & st) {
             slots.push_back(st.blocks.at(b).slot);
         }
         copier.wait(); // the summaries' uploads share the device's stream
-        graph_scorer->score(slots, { { q.turn, q.n_turn, q.turn_serial }, { q.newest.data(), q.n_newest } }, out);
+        std::vector<kvmem_graph_scorer::rows_span> rows = { { q.turn, q.n_turn, q.turn_serial } };
+        for (const float * r : q.newest) {
+            rows.push_back({ r, 1 });
+        }
+        graph_scorer->score(slots, rows, out);
     };
 }
 

@@ -20,20 +20,20 @@ struct kvmem_plan {
     uint32_t n_sink = 0, n_question = 0, n_recent = 0, n_rows = 0, n_lexical = 0;
 };
 
-// the query rows of a selection ([layer][head][head_dim] each): the question's rows, borrowed from the sequence
-// (no copy: a turn's are 50 MB on a 27B model), then the newest rows (owned): during generation the newest
-// generated tokens', inside a prompt (retrieval prefill) the prompt's newest rows alone. It borrows st.turn.q:
-// use it only while the sequence's turn does not change (within one selection)
+// the query rows of a selection ([layer][head][head_dim] each): the question's rows, then the newest rows (during
+// generation the newest generated tokens', inside a prompt (retrieval prefill) the prompt's newest rows alone). All
+// are borrowed from the sequence, none copied (a turn's are 50 MB on a 27B model, a re-selection's newest 25 MB):
+// use it only within one selection, while the sequence's rows do not change
 struct kvmem_query {
     const float * turn = nullptr;
     uint32_t n_turn = 0;
-    uint64_t turn_serial = 0; // st.turn.q_serial
-    std::vector<float> newest;
-    uint32_t n_newest = 0;
+    uint64_t turn_serial = 0;            // st.turn.q_serial
+    std::vector<const float *> newest;   // one row each, oldest first
     size_t per = 0; // floats per row
 
-    uint32_t n_rows() const { return n_turn + n_newest; }
-    std::vector<float> contiguous() const; // both parts, one after the other
+    uint32_t n_newest() const { return (uint32_t) newest.size(); }
+    uint32_t n_rows() const { return n_turn + n_newest(); }
+    std::vector<float> contiguous() const; // all rows, one after the other
 };
 kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens);
 // the most rows kvmem_query_rows gives (a re-selection during generation: the question's and half as many newest)

@@ -54,8 +54,13 @@ void kvmem_seq::start_turn(llama_pos pos, llama_pos q0, llama_pos q1) {
     turn.q0  = q0;
     turn.q1  = q1;
     hint_p0  = -1; // a hint is for one prompt
+    hint_p1  = -1;
     events.clear();
     phase_ = kvmem_phase::GEN;
+}
+
+bool kvmem_seq::wants_query_rows(llama_pos last, uint32_t reach) const {
+    return phase_ != kvmem_phase::PROMPT || hint_p1 < 0 || last + (llama_pos) reach >= hint_p1;
 }
 
 void kvmem_seq::resume_gen() {

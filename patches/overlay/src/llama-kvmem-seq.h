@@ -124,6 +124,7 @@ public:
     std::deque<std::pair<llama_pos, std::vector<uint8_t>>> snapshots; // recurrent states (hybrid models)
 
     llama_pos hint_p0     = -1;    // the application's start of the last user message (one prompt)
+    llama_pos hint_p1     = -1;    // and its end
     bool      prompt_mark = false; // the application said a new prompt starts
     bool      released    = false; // the application is done with it for now: others may take its cells
     bool      squeezed    = false; // this prompt lost blocks within its share to another's (logged once)
@@ -138,6 +139,11 @@ public:
     // application marks its prompts, an unmarked multi-token batch during generation is not a prompt (e.g. a
     // draft context catching up with the accepted tokens)
     kvmem_batch_kind classify(uint32_t n, uint32_t n_out, bool last_out, bool app_marks_prompts) const;
+
+    // whether the query rows of a ubatch ending at position `last` can be a turn's: always, except inside a prompt
+    // whose last user message the application named, for ubatches ending more than `reach` tokens before that
+    // message's end (the turn's query is the prompt's last tokens; a long prompt's early ubatches are not read back)
+    bool wants_query_rows(llama_pos last, uint32_t reach) const;
 
     // transitions
     void start_prompt(bool selects_in_prompt, llama_pos p0); // -> PROMPT; the previous turn's picks become ordinary

@@ -245,7 +245,9 @@ private:
     // rows (llama-kvmem-rows.cpp): drop key rows, query rows and (unless keep_summaries) summaries in [p0, p1)
     void forget_from(kvmem_seq & st, llama_pos p0, llama_pos p1, bool keep_summaries = false);
     // the ubatch's captured K and Q tensors read back in one round (cap_k/cap_q per tiered layer; nullptr: none)
-    void fetch_captures(ggml_backend_sched_t sched, const llm_graph_result * res, uint32_t n_tokens, bool keys);
+    void fetch_captures(ggml_backend_sched_t sched, const llm_graph_result * res, uint32_t n_tokens, bool keys,
+            bool queries);
+    bool wants_query_rows(const llama_ubatch & ubatch) const; // any of its sequences' (kvmem_seq::wants_query_rows)
     void capture_keys(const llama_ubatch & ubatch);
     void capture_queries(const llama_ubatch & ubatch);
     void capture_tokens(const llama_ubatch & ubatch);

@@ -63,7 +63,9 @@ KV_SUITE(plan) {
     st.rows.query[12*16 + 5] = query_row();
     st.rows.query[12*16 + 2] = query_row(); // before the turn's end: not a generated token
     const kvmem_query q = kvmem_query_rows(st, DIMS, 128);
-    KV_CHECK(q.n_turn == 1 && q.n_newest == 1 && q.turn == st.turn.q.data()); // the turn's rows are not copied
+    // no row is copied: the turn's and the newest generated token's are the sequence's own
+    KV_CHECK(q.n_turn == 1 && q.n_newest() == 1 && q.turn == st.turn.q.data());
+    KV_CHECK(q.newest[0] == st.rows.query.rbegin()->second.data());
     KV_CHECK(q.contiguous().size() == 2*DIMS.query_row());
 
     // inside a prompt (retrieval prefill) the picks take at most half of what the fixed blocks leave

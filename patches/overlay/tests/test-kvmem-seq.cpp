@@ -19,6 +19,13 @@ KV_SUITE(seq) {
     KV_CHECK(st.classify(1, 1, true, false) == kvmem_batch_kind::TURN);
     KV_CHECK(st.classify(7, 1, true, false) == kvmem_batch_kind::TURN);
 
+    // the query rows of a prompt's ubatches: all of them, unless the application named the last user message; then
+    // those that end within reach of its end (and every row during generation)
+    KV_CHECK(st.wants_query_rows(10, 384));
+    st.hint_p0 = 500;
+    st.hint_p1 = 580;
+    KV_CHECK(!st.wants_query_rows(195, 384) && st.wants_query_rows(196, 384) && st.wants_query_rows(599, 384));
+
     st.blocks[0].resident = true;
     st.blocks[3].resident = true;
     st.set_picks({ { 3, 0.5f }, { 4, 0.9f } }); // block 4 is not resident: not a pick
@@ -26,6 +33,7 @@ KV_SUITE(seq) {
 
     st.start_turn(600, 580, 600);
     KV_CHECK(st.phase() == kvmem_phase::GEN && st.turn.pos == 600 && st.turn.q0 == 580 && st.turn.q1 == 600);
+    KV_CHECK(st.hint_p1 == -1 && st.wants_query_rows(10, 0)); // the hint was the prompt's
 
     // during generation: one sampled token is generation, a multi-token batch with one output is a new prompt
     // unless the application marks its prompts and did not mark this one (a draft catching up)
