@@ -88,7 +88,7 @@ kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, uint32_t
     const uint32_t n_fresh = n_rows - n_kept;
     graph g;
     g.n_steps = (n_kept + step_rows - 1)/step_rows + (n_fresh + step_rows - 1)/step_rows;
-    const size_t n_nodes = (size_t) d.n_lt*(2 + 14*g.n_steps) + 16;
+    const size_t n_nodes = (size_t) d.n_lt*(3 + 14*g.n_steps) + 16;
     meta.resize(ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false));
     ggml_init_params params = { meta.size(), meta.data(), /*no_alloc*/ true };
     g.ctx = ggml_init(params);
@@ -113,7 +113,9 @@ kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, uint32_t
     const float scale = 1.0f/std::sqrt((float) d.head_dim);
     const size_t fl = sizeof(float);
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
-        ggml_tensor * k = ggml_get_rows(ctx, store.layer(lt), g.idx); // [head_dim, keys, kv heads] f32
+        // [head_dim, keys, kv heads], gathered (f32) and back to f16: the products run as f16 matrix products
+        // (tensor cores on a GPU; f32 ones took most of a 256K selection's time), accumulated in f32
+        ggml_tensor * k = ggml_cast(ctx, ggml_get_rows(ctx, store.layer(lt), g.idx), GGML_TYPE_F16);
         for (const auto & [src, n_run] : runs) {
             for (uint32_t r0 = 0; r0 < n_run; r0 += step_rows) {
                 const int64_t nr = std::min(step_rows, n_run - r0);
@@ -123,6 +125,8 @@ kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, uint32_t
                 qs = ggml_cont(ctx, ggml_permute(ctx, qs, 0, 1, 3, 2));
                 qs = ggml_reshape_3d(ctx, qs, d.head_dim, group*nr, d.n_head_kv);
                 ggml_tensor * kq = ggml_mul_mat(ctx, k, qs); // [keys, group*rows, kv heads]
+                ggml_prec_set_acc(kq, GGML_PREC_F32);    // sums in f32
+                ggml_prec_set_src(kq, GGML_PREC_F16, 1); // the query rows may be converted to f16 for it
                 kq = ggml_soft_max_ext(ctx, kq, nullptr, scale, 0.0f);
                 ggml_tensor * best = ggml_pool_1d(ctx, kq, GGML_OP_POOL_MAX, n_ch, n_ch, 0); // [blocks, group*rows, kv heads]
                 best = ggml_reshape_2d(ctx, ggml_sqr(ctx, best), n_blocks, group*nr*d.n_head_kv);

@@ -4,7 +4,7 @@
 //
 // Every host slot has room for its block's summary (the chunk means of the block's pre-RoPE keys, per tiered layer
 // and KV head) in f16 tensors on the backend that holds the working set: VRAM on a GPU, host memory on the CPU. A
-// selection uploads only its query rows; the graph (get_rows, mul_mat, soft_max, a max pool over each block's
+// selection uploads only its query rows; the graph (get_rows, an f16 mul_mat, soft_max, a max pool over each block's
 // chunks, sqr, sum) runs there, and only one score per block comes back. The same graph runs on the CPU backend
 // (CI) as on CUDA. It computes what kvmem_scorer's `mass` computes on the host (llama-kvmem-score.cpp), from f16
 // summaries (tests/test-kvmem-summaries.cpp compares the two).
