@@ -255,9 +255,12 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     GGML_ASSERT(found && "a selection is for a sequence that decoded a batch");
     kvmem_seq & st = *found;
     const llama_pos pos = kvmem_cells().seq_pos_max(seq_id) + 1;
+    // a turn first gathers its question's query rows (host copies): part of the selection's time, and said apart
+    const int64_t t_start = ggml_time_us();
     if (reason == kvmem_reason::TURN) {
         begin_turn_query(seq_id, st, pos);
     }
+    const double gather_ms = (ggml_time_us() - t_start)/1000.0;
     if (st.blocks.empty()) {
         if (reason == kvmem_reason::TURN) {
             schedule_event(seq_id, st, pos);
@@ -267,10 +270,9 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     const uint32_t share = share_blocks(seq_id);
     if (st.n_resident() == st.blocks.size() && st.blocks.size() < share) {
         // the whole history is resident and stays so (the share holds it and the partial tail): nothing to score
-        log_fitting(seq_id, st, reason, pos, share);
+        log_fitting(seq_id, st, reason, pos, share, gather_ms);
         return false;
     }
-    const int64_t t_start = ggml_time_us();
 
     // re-selections during generation are undone by a truncation below their position (a rejected draft)
     const bool undoable = reason == kvmem_reason::REFRESH || reason == kvmem_reason::ROOM;
@@ -329,12 +331,12 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%zu staged_in=%u "
             "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s lexical=%u "
             "score_ms=%.3f capture_ms=%.3f plan_ms=%.3f score_steps=%u score_build_ms=%.3f score_upload_ms=%.3f "
-            "score_compute_ms=%.3f score_uploaded_rows=%u\n",
+            "score_compute_ms=%.3f score_uploaded_rows=%u gather_ms=%.3f\n",
             seq_id, st.n_blocks(), geom.budget_blocks, share, plan.n_sink, plan.n_recent, plan.picks.size(), staged_in,
             staged_out, reused, plan.n_rows, ms, stage_ms, (double) staged_in*ws_block_bytes()/1024.0/1024.0,
             kvmem_reason_name(reason), pos, plan.n_question, kvmem_scorer::method_name(scorer->method()), plan.n_lexical,
-            score_us/1000.0, capture_us/1000.0, (t_stage - t_start - score_us)/1000.0, gt.n_steps, gt.build_us/1000.0,
-            gt.upload_us/1000.0, gt.compute_us/1000.0, gt.n_uploaded);
+            score_us/1000.0, capture_us/1000.0, (t_stage - t_start - score_us)/1000.0 - gather_ms, gt.n_steps, gt.build_us/1000.0,
+            gt.upload_us/1000.0, gt.compute_us/1000.0, gt.n_uploaded, gather_ms);
     capture_us = 0;
     if (kp.trace) {
         trace_resident(seq_id, st, pos, reason);
@@ -343,7 +345,8 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     return staged_in > 0;
 }
 
-void llama_kvmem_cache::log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_reason reason, llama_pos pos, uint32_t share) {
+void llama_kvmem_cache::log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_reason reason, llama_pos pos, uint32_t share,
+        double gather_ms) {
     st.set_picks({});
     if (reason == kvmem_reason::PREFILL) {
         st.next_prefill = pos + prefill_step();
@@ -356,9 +359,9 @@ void llama_kvmem_cache::log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_r
     totals.last_ms = 0.0;
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=0 recent=0 scored=0 staged_in=0 "
             "staged_out=0 reused=%zu query_tokens=0 ms=0.000 stage_ms=0.000 stage_mib=0.0 reason=%s pos=%d question=0 "
-            "method=%s lexical=0 fits=1 capture_ms=%.3f\n", seq_id, st.n_blocks(), geom.budget_blocks, share,
-            st.blocks.size(), kvmem_reason_name(reason), pos, kvmem_scorer::method_name(scorer->method()),
-            capture_us/1000.0);
+            "method=%s lexical=0 fits=1 capture_ms=%.3f gather_ms=%.3f\n", seq_id, st.n_blocks(), geom.budget_blocks,
+            share, st.blocks.size(), kvmem_reason_name(reason), pos, kvmem_scorer::method_name(scorer->method()),
+            capture_us/1000.0, gather_ms);
     capture_us = 0;
     publish();
 }

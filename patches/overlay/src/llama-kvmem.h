@@ -237,7 +237,8 @@ private:
     void apply_target(llama_seq_id seq_id, kvmem_seq & st, const std::set<int32_t> & target, kvmem_journal * journal,
             uint32_t & staged_in, uint32_t & staged_out, uint32_t & reused);
     // the whole history is resident and stays so: the selection is a no-op, logged as SELECT ... fits=1
-    void log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_reason reason, llama_pos pos, uint32_t share);
+    void log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_reason reason, llama_pos pos, uint32_t share,
+            double gather_ms);
     void schedule_event(llama_seq_id seq_id, kvmem_seq & st, llama_pos pos);
     void undo_events(llama_seq_id seq_id, kvmem_seq & st, llama_pos p0);
     void trace_resident(llama_seq_id seq_id, const kvmem_seq & st, llama_pos pos, kvmem_reason reason) const;
