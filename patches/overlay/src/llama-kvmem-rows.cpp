@@ -48,15 +48,14 @@ bool llama_kvmem_cache::wants_query_rows(const llama_ubatch & ubatch) const {
     if (kp.prefill == LLAMA_KVMEM_PREFILL_RETRIEVAL) {
         return true;
     }
-    std::map<llama_seq_id, llama_pos> last;
-    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
-        auto & l = last.try_emplace(ubatch.seq_id[i][0], ubatch.pos[i]).first->second;
-        l = std::max(l, ubatch.pos[i]);
+    // a token that wants them is enough (the answer only grows with the position): the newest tokens first
+    for (uint32_t i = ubatch.n_tokens; i-- > 0; ) {
+        const kvmem_seq * st = find_seq(ubatch.seq_id[i][0]);
+        if (!st || st->wants_query_rows(ubatch.pos[i], kp.query_tokens + KVMEM_ROW_SLACK)) {
+            return true;
+        }
     }
-    return std::any_of(last.begin(), last.end(), [&](const auto & sl) {
-        const kvmem_seq * st = find_seq(sl.first);
-        return !st || st->wants_query_rows(sl.second, kp.query_tokens + KVMEM_ROW_SLACK);
-    });
+    return false;
 }
 
 void llama_kvmem_cache::fetch_captures(ggml_backend_sched_t sched, const llm_graph_result * res, uint32_t n_tokens,

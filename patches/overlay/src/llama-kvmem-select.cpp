@@ -31,8 +31,12 @@ std::vector<float> kvmem_query::contiguous() const {
     return rows;
 }
 
+uint32_t kvmem_newest_query_rows(uint32_t query_tokens) {
+    return std::max<uint32_t>(1, query_tokens/2);
+}
+
 uint32_t kvmem_max_query_rows(uint32_t query_tokens) {
-    return query_tokens + std::max<uint32_t>(1, query_tokens/2);
+    return query_tokens + kvmem_newest_query_rows(query_tokens);
 }
 
 kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens) {
@@ -58,7 +62,7 @@ kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint
     q.n_turn = (uint32_t) (st.turn.q.size()/std::max<size_t>(per, 1));
     q.turn_serial = st.turn.q_serial;
     if (st.phase() == kvmem_phase::GEN && st.turn.pos >= 0) {
-        add_newest(kvmem_max_query_rows(query_tokens) - query_tokens, st.turn.pos);
+        add_newest(kvmem_newest_query_rows(query_tokens), st.turn.pos);
     }
     return q;
 }

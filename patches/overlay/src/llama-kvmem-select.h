@@ -36,7 +36,8 @@ struct kvmem_query {
     std::vector<float> contiguous() const; // all rows, one after the other
 };
 kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens);
-// the most rows kvmem_query_rows gives (a re-selection during generation: the question's and half as many newest)
+// the newest generated tokens' rows a re-selection adds to the question's, and the most rows kvmem_query_rows gives
+uint32_t kvmem_newest_query_rows(uint32_t query_tokens);
 uint32_t kvmem_max_query_rows(uint32_t query_tokens);
 
 // scores of the blocks `ids` (all with summaries; `candidate` marks those that may be picked) for the query rows:

@@ -86,6 +86,15 @@ KV_SUITE(summaries) {
         KV_CHECK(std::fabs(split[b] - dev_scores[b]) <= 1e-6f*std::max(1.0f, std::fabs(dev_scores[b])));
     }
 
+    // scores equal up to float rounding (another grouping of the same sums)
+    auto same = [](const std::vector<float> & a, const std::vector<float> & b) {
+        bool ok = a.size() == b.size();
+        for (size_t i = 0; ok && i < a.size(); ++i) {
+            ok = std::fabs(a[i] - b[i]) <= 1e-5f*std::max(1.0f, std::fabs(b[i]));
+        }
+        return ok;
+    };
+
     // the step bound sets how many rows a step takes, never the scores: one row per step, then seven (the last
     // step short), against all 20 in one step
     KV_CHECK(graph.last_timing().n_steps == 1);
@@ -95,10 +104,7 @@ KV_SUITE(summaries) {
         KV_CHECK(stepped.rows_per_step(n_blocks) == rows);
         std::vector<float> s;
         stepped.score(slots, { { q.data(), 7 }, { q.data() + 7*d.query_row(), n_rows - 7 } }, s);
-        KV_CHECK(stepped.last_timing().n_steps == (n_rows + rows - 1)/rows);
-        for (int b = 0; b < n_blocks; ++b) {
-            KV_CHECK(std::fabs(s[b] - dev_scores[b]) <= 1e-5f*std::max(1.0f, std::fabs(dev_scores[b])));
-        }
+        KV_CHECK(stepped.last_timing().n_steps == (n_rows + rows - 1)/rows && same(s, dev_scores));
     }
     KV_CHECK(kvmem_graph_scorer(be, store, 1).rows_per_step(n_blocks) == 1); // a bound below one row: one
 
@@ -134,19 +140,10 @@ KV_SUITE(summaries) {
         }
         std::vector<float> one;
         graph.score(slots, { { q.data(), 5 } }, one);
-        for (int b = 0; b < n_blocks; ++b) {
-            KV_CHECK(std::fabs(s[b] - one[b]) <= 1e-5f*std::max(1.0f, std::fabs(one[b])));
-        }
+        KV_CHECK(same(s, one));
 
         // a span with a serial stays on the backend: uploaded once, scored as if uploaded each time; a new serial
         // (the next turn's rows) replaces it; rows too many to keep are uploaded as they come
-        auto same = [&](const std::vector<float> & a, const std::vector<float> & b) {
-            bool ok = a.size() == b.size();
-            for (size_t i = 0; ok && i < a.size(); ++i) {
-                ok = std::fabs(a[i] - b[i]) <= 1e-5f*std::max(1.0f, std::fabs(b[i]));
-            }
-            return ok;
-        };
         const kvmem_graph_scorer::rows_span tail = { q.data() + 7*d.query_row(), n_rows - 7 };
         std::vector<float> k1, k2;
         reserved.score(slots, { { q.data(), 7, /*serial*/ 1 }, tail }, k1);
