@@ -61,6 +61,10 @@ def test_qwen35_small_budget_long_prompt_selects_and_second_turn_reuses(llama_se
     assert len(sel) == 2, sel
     assert sel[0]["n_blocks"] >= 40 and sel[0]["staged_in"] > 0 and sel[0]["scored"] > 0
     assert sel[1]["reused"] > 0 and sel[1]["staged_in"] < sel[0]["staged_in"], sel
+    # the phases are parts of the whole: the wait for the device's copies is part of staging
+    for s in sel:
+        assert 0 <= s["stage_wait_ms"] <= s["stage_ms"], s
+        assert s["gather_ms"] + s["score_ms"] + s["plan_ms"] + s["stage_ms"] <= s["ms"] + 0.01, s
 
 
 def test_multi_turn_reuse_on_a_plain_attention_model(llama_server, smollm2) -> None:

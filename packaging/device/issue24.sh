@@ -7,8 +7,8 @@
 #   here:      bash packaging/device/issue24.sh stage     (wheels, both source packs, the qwen35 vocabulary)
 # CELLS overrides the bench cells (CONTEXT:CONFIG, see bench-cells.sh); REPEATS (3) turns per cell on one prefill.
 set -uo pipefail
-CELLS=${CELLS:-"261400:tiering-on 32768:tiering-on 4096:tiering-on 4096:tiering-off 4096:tiering-on-recency \
-261400:tiering-off 261400:tiering-on-q5 32768:tiering-off 131072:tiering-on 131072:tiering-off 261400:tiering-on-q5-same"}
+CELLS=${CELLS:-"261400:tiering-on 32768:tiering-on 4096:tiering-on 4096:tiering-off 261400:tiering-off \
+261400:tiering-on-q5 32768:tiering-off 131072:tiering-on 131072:tiering-off 4096:tiering-on-recency 261400:tiering-on-q5-same"}
 case "${1:-}" in
 stage)
   cd "$(dirname "$0")/../.."

@@ -408,16 +408,16 @@ std::vector<uint32_t> llama_kvmem_cache::block_cells(llama_seq_id seq_id, int32_
     return idx;
 }
 
-std::vector<uint32_t> llama_kvmem_cache::free_run(uint32_t n) const {
-    // prefer n contiguous free cells (one copy per layer for K and for V), searched from where the last
-    // stage-in ended so that a selection staging many blocks scans the cells about once; else the lowest free
-    const auto & cells = kvmem_cells();
-    const uint32_t n_cells = cells.size();
+// n free cells: n contiguous ones if there are (one copy per layer for K and for V), searched from `from` (where the
+// last stage-in ended, so that a selection staging many blocks scans the cells about once); else the lowest free
+// ones; none when fewer than n are free
+template <typename is_free_fn>
+static std::vector<uint32_t> kvmem_free_cells(uint32_t n_cells, uint32_t n, uint32_t from, const is_free_fn & is_free) {
     std::vector<uint32_t> idx;
     uint32_t run = 0;
     for (uint32_t k = 0; k < n_cells && run < n; ++k) {
-        const uint32_t i = (stage_hint + k) % n_cells;
-        run = cells.is_empty(i) ? (i == 0 ? 1 : run + 1) : 0; // runs do not wrap around
+        const uint32_t i = (from + k) % n_cells;
+        run = is_free(i) ? (i == 0 ? 1 : run + 1) : 0; // runs do not wrap around
         if (run == n) {
             for (uint32_t j = 0; j < n; ++j) {
                 idx.push_back(i + 1 - n + j);
@@ -426,12 +426,44 @@ std::vector<uint32_t> llama_kvmem_cache::free_run(uint32_t n) const {
     }
     if (idx.empty()) {
         for (uint32_t i = 0; i < n_cells && idx.size() < n; ++i) {
-            if (cells.is_empty(i)) {
+            if (is_free(i)) {
                 idx.push_back(i);
             }
         }
     }
     return idx.size() == n ? idx : std::vector<uint32_t>();
+}
+
+std::vector<uint32_t> llama_kvmem_cache::free_run(uint32_t n) const {
+    const auto & cells = kvmem_cells();
+    return kvmem_free_cells(cells.size(), n, stage_hint, [&cells](uint32_t i) { return cells.is_empty(i); });
+}
+
+std::vector<std::vector<uint32_t>> llama_kvmem_cache::place_stage_ins(llama_seq_id seq_id,
+        const std::vector<int32_t> & leaving, size_t n_in) {
+    const auto & cells = kvmem_cells();
+    std::vector<char> is_free(cells.size());
+    for (uint32_t i = 0; i < cells.size(); ++i) {
+        is_free[i] = cells.is_empty(i);
+    }
+    for (const int32_t b : leaving) {
+        for (const uint32_t i : block_cells(seq_id, b)) {
+            is_free[i] = is_free[i] || cells.seq_count(i) == 1; // freed by the eviction unless shared
+        }
+    }
+    std::vector<std::vector<uint32_t>> placed;
+    while (placed.size() < n_in) {
+        std::vector<uint32_t> idx = kvmem_free_cells(cells.size(), kp.block, stage_hint, [&is_free](uint32_t i) { return is_free[i] != 0; });
+        if (idx.empty()) {
+            break;
+        }
+        for (const uint32_t i : idx) {
+            is_free[i] = 0;
+        }
+        stage_hint = (idx.back() + 1) % cells.size();
+        placed.push_back(std::move(idx));
+    }
+    return placed;
 }
 
 bool llama_kvmem_cache::stage_in(llama_seq_id seq_id, int32_t b, kvmem_block & hb, kvmem_journal * journal) {
@@ -457,7 +489,17 @@ bool llama_kvmem_cache::stage_in_at(llama_seq_id seq_id, int32_t b, kvmem_block 
         }
     }
     copier.to_device(pool.slot_ptr(hb.slot), idx);
+    book_stage_in(seq_id, b, hb, idx, journal);
+    return true;
+}
+
+void llama_kvmem_cache::book_stage_in(llama_seq_id seq_id, int32_t b, kvmem_block & hb, const std::vector<uint32_t> & idx,
+        kvmem_journal * journal) {
+    const int32_t B = kp.block;
+    auto & cells = kvmem_cells();
+    GGML_ASSERT(!hb.resident && (int32_t) idx.size() == B && "a block is staged in once, into a block of cells");
     for (int32_t t = 0; t < B; ++t) {
+        GGML_ASSERT(cells.is_empty(idx[t]) && "a stage-in takes free cells");
         cells.pos_set(idx[t], b*B + t);
         cells.ext_set(idx[t], hb.ext[t]);
         cells.seq_add(idx[t], seq_id);
@@ -466,7 +508,6 @@ bool llama_kvmem_cache::stage_in_at(llama_seq_id seq_id, int32_t b, kvmem_block 
     if (journal) {
         journal->staged.push_back({ seq_id, b });
     }
-    return true;
 }
 
 bool llama_kvmem_cache::stage_in_making_room(llama_seq_id seq_id, int32_t b, kvmem_block & hb, kvmem_journal * journal) {

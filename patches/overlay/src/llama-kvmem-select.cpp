@@ -230,24 +230,34 @@ void llama_kvmem_cache::begin_turn_query(llama_seq_id seq_id, kvmem_seq & st, ll
 
 void llama_kvmem_cache::apply_target(llama_seq_id seq_id, kvmem_seq & st, const std::set<int32_t> & target,
         kvmem_journal * journal, uint32_t & staged_in, uint32_t & staged_out, uint32_t & reused) {
-    // a diff: resident blocks in the target stay, others leave, missing ones come in
+    // a diff: resident blocks in the target stay, others leave, missing ones come in. The blocks coming in take the
+    // cells they would take once the others have left, and their copies are queued first: the device copies while
+    // the host keeps the cells' books (evictions, then stage-ins). Those that find no room then make it.
     staged_in = staged_out = reused = 0;
-    for (auto & [b, hb] : st.blocks) {
-        if (hb.resident && !target.count(b)) {
-            evict_block(seq_id, b, hb, journal);
-            staged_out++;
+    std::vector<int32_t> leaving, coming;
+    for (const auto & [b, hb] : st.blocks) {
+        if (target.count(b) && hb.resident) {
+            reused++;
+        } else if (target.count(b)) {
+            coming.push_back(b);
+        } else if (hb.resident) {
+            leaving.push_back(b);
         }
     }
-    for (auto & [b, hb] : st.blocks) {
-        if (!target.count(b)) {
-            continue;
-        }
-        if (hb.resident) {
-            reused++;
-            continue;
-        }
-        if (!stage_in_making_room(seq_id, b, hb, journal)) {
-            LLAMA_LOG_WARN("%s: kvmem: no free cells to stage in block %d of seq %d\n", __func__, b, seq_id);
+    const std::vector<std::vector<uint32_t>> placed = place_stage_ins(seq_id, leaving, coming.size());
+    for (size_t j = 0; j < placed.size(); ++j) {
+        copier.to_device(pool.slot_ptr(st.blocks.at(coming[j]).slot), placed[j]);
+    }
+    for (const int32_t b : leaving) {
+        evict_block(seq_id, b, st.blocks.at(b), journal);
+        staged_out++;
+    }
+    for (size_t j = 0; j < coming.size(); ++j) {
+        kvmem_block & hb = st.blocks.at(coming[j]);
+        if (j < placed.size()) {
+            book_stage_in(seq_id, coming[j], hb, placed[j], journal);
+        } else if (!stage_in_making_room(seq_id, coming[j], hb, journal)) {
+            LLAMA_LOG_WARN("%s: kvmem: no free cells to stage in block %d of seq %d\n", __func__, coming[j], seq_id);
             break;
         }
         staged_in++;
@@ -306,8 +316,10 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     uint32_t staged_in = 0, staged_out = 0, reused = 0;
     apply_target(seq_id, st, plan.target, undoable ? &journal : nullptr, staged_in, staged_out, reused);
     st.set_picks(plan.picks);
+    const int64_t t_wait = ggml_time_us(); // what is left after the host's part: the device's copies still running
     copier.wait();
     const double stage_ms = (ggml_time_us() - t_stage)/1000.0;
+    const double stage_wait_ms = (ggml_time_us() - t_wait)/1000.0;
 
     for (auto * f : followers) {
         f->follow_leader();
@@ -335,12 +347,12 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%zu staged_in=%u "
             "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s lexical=%u "
             "score_ms=%.3f capture_ms=%.3f plan_ms=%.3f score_steps=%u score_build_ms=%.3f score_upload_ms=%.3f "
-            "score_compute_ms=%.3f score_uploaded_rows=%u gather_ms=%.3f\n",
+            "score_compute_ms=%.3f score_uploaded_rows=%u gather_ms=%.3f stage_wait_ms=%.3f\n",
             seq_id, st.n_blocks(), geom.budget_blocks, share, plan.n_sink, plan.n_recent, plan.picks.size(), staged_in,
             staged_out, reused, plan.n_rows, ms, stage_ms, (double) staged_in*ws_block_bytes()/1024.0/1024.0,
             kvmem_reason_name(reason), pos, plan.n_question, kvmem_scorer::method_name(scorer->method()), plan.n_lexical,
             score_us/1000.0, capture_us/1000.0, (t_stage - t_start - score_us)/1000.0 - gather_ms, gt.n_steps, gt.build_us/1000.0,
-            gt.upload_us/1000.0, gt.compute_us/1000.0, gt.n_uploaded, gather_ms);
+            gt.upload_us/1000.0, gt.compute_us/1000.0, gt.n_uploaded, gather_ms, stage_wait_ms);
     capture_us = 0;
     if (kp.trace) {
         trace_resident(seq_id, st, pos, reason);

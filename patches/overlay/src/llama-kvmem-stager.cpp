@@ -7,12 +7,18 @@
 #include <algorithm>
 #include <stdexcept>
 
+// the cell indices of this many blocks' rounds are uploaded before the stager waits for its stream to reuse them
+static constexpr size_t KVMEM_STAGE_INDEX_BLOCKS = 1024;
+
 kvmem_stager::~kvmem_stager() {
     if (in_flight) {
-        ggml_backend_synchronize(be); // rounds still read the staging buffer
+        ggml_backend_synchronize(be); // rounds still read the staging buffer and the index arena
     }
     if (galloc) {
         ggml_gallocr_free(galloc);
+    }
+    if (idx_buf) {
+        ggml_backend_buffer_free(idx_buf);
     }
     if (buf) {
         ggml_backend_buffer_free(buf);
@@ -36,9 +42,26 @@ void kvmem_stager::init(ggml_backend_t be_in, const std::vector<kvmem_layer_rows
     }
     cap = (uint32_t) std::max<size_t>(1, max_bytes/slot_bytes);
 
-    // the staging memory is viewed as rows of the pool's K type and of its V type: one 1-D base tensor of each
-    // type over the same buffer
-    ggml_init_params params = { 2*ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
+    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(be);
+    alloc_tensors(buft);
+    alloc_index_arena();
+    galloc = ggml_gallocr_new(buft);
+    const size_t n_nodes = graph_nodes();
+    meta.resize(ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false));
+    // the largest round of each direction, planned now: no allocation while a selection stages
+    for (const direction d : { direction::to_device, direction::to_host }) {
+        ggml_init_params params = { meta.size(), meta.data(), /*no_alloc*/ true };
+        ggml_context * g = ggml_init(params);
+        ggml_tensor * cells = nullptr;
+        GGML_ASSERT(ggml_gallocr_reserve(galloc, build_graph(g, d, cap, &cells)) && "kvmem: cannot reserve the staging graph");
+        ggml_free(g);
+    }
+}
+
+void kvmem_stager::alloc_tensors(ggml_backend_buffer_type_t buft) {
+    // the staging memory is viewed as rows of the pool's K type and of its V type (one 1-D base tensor of each type
+    // over the same bytes); the constant row indices follow it
+    ggml_init_params params = { 4*ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
     ctx = ggml_init(params);
     const size_t total = (size_t) cap*slot_bytes;
     auto make_base = [&](ggml_type type, const char * name) {
@@ -49,17 +72,47 @@ void kvmem_stager::init(ggml_backend_t be_in, const std::vector<kvmem_layer_rows
     };
     base_k = make_base(layers[0].pool_k, "kvmem_stage_k");
     base_v = make_base(layers[0].pool_v, "kvmem_stage_v");
-    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(be);
-    const size_t size = std::max(ggml_backend_buft_get_alloc_size(buft, base_k), ggml_backend_buft_get_alloc_size(buft, base_v));
+    slot_tok  = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, block, cap);
+    block_tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, block);
+    const size_t align = ggml_backend_buft_get_alignment(buft);
+    auto aligned = [align](size_t n) { return (n + align - 1)/align*align; };
+    const size_t staging = aligned(std::max(ggml_backend_buft_get_alloc_size(buft, base_k), ggml_backend_buft_get_alloc_size(buft, base_v)));
+    const size_t off_tok = staging;
+    const size_t off_blk = off_tok + aligned(ggml_backend_buft_get_alloc_size(buft, slot_tok));
+    const size_t size = off_blk + aligned(ggml_backend_buft_get_alloc_size(buft, block_tok));
     buf = ggml_backend_buft_alloc_buffer(buft, size);
     if (!buf) {
         throw std::runtime_error(format("kvmem: failed to allocate the staging buffer (%.1f MiB in %s)",
                     size/1024.0/1024.0, ggml_backend_buft_name(buft)));
     }
-    void * base = ggml_backend_buffer_get_base(buf);
+    uint8_t * base = (uint8_t *) ggml_backend_buffer_get_base(buf);
     GGML_ASSERT(ggml_backend_tensor_alloc(buf, base_k, base) == GGML_STATUS_SUCCESS);
     GGML_ASSERT(ggml_backend_tensor_alloc(buf, base_v, base) == GGML_STATUS_SUCCESS);
-    galloc = ggml_gallocr_new(buft);
+    GGML_ASSERT(ggml_backend_tensor_alloc(buf, slot_tok, base + off_tok) == GGML_STATUS_SUCCESS);
+    GGML_ASSERT(ggml_backend_tensor_alloc(buf, block_tok, base + off_blk) == GGML_STATUS_SUCCESS);
+    std::vector<int32_t> tok32((size_t) block*cap);
+    std::vector<int64_t> tok64(block);
+    for (size_t i = 0; i < tok32.size(); ++i) {
+        tok32[i] = (int32_t) (i % block);
+    }
+    for (uint32_t t = 0; t < block; ++t) {
+        tok64[t] = t;
+    }
+    ggml_backend_tensor_set(slot_tok, tok32.data(), 0, ggml_nbytes(slot_tok));
+    ggml_backend_tensor_set(block_tok, tok64.data(), 0, ggml_nbytes(block_tok));
+}
+
+void kvmem_stager::alloc_index_arena() {
+    idx_size = KVMEM_STAGE_INDEX_BLOCKS*block*sizeof(int64_t);
+    ggml_backend_dev_t dev = ggml_backend_get_device(be);
+    ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    idx_buf = host ? ggml_backend_buft_alloc_buffer(host, idx_size) : nullptr;
+    if (idx_buf) {
+        idx_base = (uint8_t *) ggml_backend_buffer_get_base(idx_buf);
+    } else {
+        idx_plain.resize(idx_size);
+        idx_base = idx_plain.data();
+    }
 }
 
 size_t kvmem_stager::staging_bytes() const {
@@ -85,28 +138,21 @@ void kvmem_stager::to_host(uint8_t * host, const std::vector<uint32_t> & idx) {
     queue(direction::to_host, { nullptr, host, idx });
 }
 
-ggml_tensor * kvmem_stager::slot_rows(ggml_context * g, uint32_t lt, bool is_v) const {
+ggml_tensor * kvmem_stager::slot_rows(ggml_context * g, uint32_t lt, bool is_v, int64_t n) const {
     const kvmem_layer_rows & l = layers[lt];
     ggml_tensor * t = is_v ? l.v : l.k;
-    return ggml_view_3d(g, is_v ? base_v : base_k, t->ne[0], block, (int64_t) q.size(), is_v ? l.hrow_v : l.hrow_k,
+    return ggml_view_3d(g, is_v ? base_v : base_k, t->ne[0], block, n, is_v ? l.hrow_v : l.hrow_k,
             slot_bytes, is_v ? off_v[lt] : off_k[lt]);
 }
 
-void kvmem_stager::run_graph() {
-    const int64_t n = (int64_t) q.size();
-    const bool in = dir == direction::to_device;
-    const size_t n_nodes = layers.size()*2*8 + 16;
-    meta.resize(ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false));
-    ggml_init_params params = { meta.size(), meta.data(), /*no_alloc*/ true };
-    ggml_context * g = ggml_init(params);
-    ggml_cgraph * gf = ggml_new_graph_custom(g, n_nodes, false);
-
+ggml_cgraph * kvmem_stager::build_graph(ggml_context * g, direction d, int64_t n, ggml_tensor ** cells) const {
+    const bool in = d == direction::to_device;
+    ggml_cgraph * gf = ggml_new_graph_custom(g, graph_nodes(), false);
     // in: rows t of every staged slot (get_rows) into the cells (set_rows); out: the cells (get_rows) into rows t of
     // every staging slot (set_rows)
-    ggml_tensor * cells = ggml_new_tensor_1d(g, in ? GGML_TYPE_I64 : GGML_TYPE_I32, n*block);
-    ggml_tensor * rows  = in ? ggml_new_tensor_2d(g, GGML_TYPE_I32, block, n) : ggml_new_tensor_2d(g, GGML_TYPE_I64, block, 1);
-    ggml_set_input(cells);
-    ggml_set_input(rows);
+    *cells = ggml_new_tensor_1d(g, in ? GGML_TYPE_I64 : GGML_TYPE_I32, n*block);
+    ggml_set_input(*cells);
+    ggml_tensor * rows = in ? ggml_view_2d(g, slot_tok, block, n, slot_tok->nb[1], 0) : ggml_view_2d(g, block_tok, block, 1, ggml_nbytes(block_tok), 0);
     for (uint32_t lt = 0; lt < layers.size(); ++lt) {
         for (const bool is_v : { false, true }) {
             ggml_tensor * t = is_v ? layers[lt].v : layers[lt].k;
@@ -116,39 +162,50 @@ void kvmem_stager::run_graph() {
             ggml_tensor * ws = ggml_view_2d(g, t, t->ne[0], t->ne[1], t->nb[1], 0);
             ggml_tensor * out = nullptr;
             if (in) {
-                ggml_tensor * f = ggml_get_rows(g, slot_rows(g, lt, is_v), rows); // [n_per_row, block, n] f32
-                out = ggml_set_rows(g, ws, ggml_reshape_2d(g, f, t->ne[0], n*block), cells);
+                ggml_tensor * f = ggml_get_rows(g, slot_rows(g, lt, is_v, n), rows); // [n_per_row, block, n] f32
+                out = ggml_set_rows(g, ws, ggml_reshape_2d(g, f, t->ne[0], n*block), *cells);
             } else {
-                ggml_tensor * f = ggml_get_rows(g, ws, cells); // [n_per_row, n*block] f32
-                out = ggml_set_rows(g, slot_rows(g, lt, is_v), ggml_reshape_3d(g, f, t->ne[0], block, n), rows);
+                ggml_tensor * f = ggml_get_rows(g, ws, *cells); // [n_per_row, n*block] f32
+                out = ggml_set_rows(g, slot_rows(g, lt, is_v, n), ggml_reshape_3d(g, f, t->ne[0], block, n), rows);
             }
             ggml_build_forward_expand(gf, out);
         }
     }
+    return gf;
+}
+
+uint8_t * kvmem_stager::index_room(size_t bytes) {
+    GGML_ASSERT(bytes <= idx_size);
+    if (idx_used + bytes > idx_size) {
+        wait_stream(); // every upload from the arena has run
+    }
+    uint8_t * p = idx_base + idx_used;
+    idx_used += bytes;
+    return p;
+}
+
+void kvmem_stager::run_graph() {
+    const int64_t n = (int64_t) q.size();
+    const bool in = dir == direction::to_device;
+    ggml_init_params params = { meta.size(), meta.data(), /*no_alloc*/ true };
+    ggml_context * g = ggml_init(params);
+    ggml_tensor * cells = nullptr;
+    ggml_cgraph * gf = build_graph(g, dir, n, &cells);
     GGML_ASSERT(ggml_gallocr_alloc_graph(galloc, gf) && "kvmem: cannot allocate the staging graph");
 
-    std::vector<int64_t> i64;
-    std::vector<int32_t> i32;
-    if (in) {
-        for (const auto & item : q) {
-            i64.insert(i64.end(), item.idx.begin(), item.idx.end());
-            for (uint32_t t = 0; t < block; ++t) {
-                i32.push_back((int32_t) t);
+    uint8_t * room = index_room(ggml_nbytes(cells));
+    for (int64_t j = 0; j < n; ++j) {
+        const std::vector<uint32_t> & idx = q[j].idx;
+        for (uint32_t t = 0; t < block; ++t) {
+            if (in) {
+                ((int64_t *) room)[j*block + t] = idx[t];
+            } else {
+                ((int32_t *) room)[j*block + t] = (int32_t) idx[t];
             }
         }
-        ggml_backend_tensor_set_async(be, cells, i64.data(), 0, ggml_nbytes(cells));
-        ggml_backend_tensor_set_async(be, rows, i32.data(), 0, ggml_nbytes(rows));
-    } else {
-        for (const auto & item : q) {
-            i32.insert(i32.end(), item.idx.begin(), item.idx.end());
-        }
-        for (uint32_t t = 0; t < block; ++t) {
-            i64.push_back(t);
-        }
-        ggml_backend_tensor_set_async(be, cells, i32.data(), 0, ggml_nbytes(cells));
-        ggml_backend_tensor_set_async(be, rows, i64.data(), 0, ggml_nbytes(rows));
     }
     // ordered on the stager's stream after this round's copies and before the next round's: no host wait
+    ggml_backend_tensor_set_async(be, cells, room, 0, ggml_nbytes(cells));
     GGML_ASSERT(ggml_backend_graph_compute_async(be, gf) == GGML_STATUS_SUCCESS);
     ggml_free(g);
 }
@@ -168,10 +225,15 @@ void kvmem_stager::submit() {
     in_flight = true;
 }
 
-void kvmem_stager::flush() {
-    submit();
+void kvmem_stager::wait_stream() {
     if (in_flight) {
         ggml_backend_synchronize(be);
         in_flight = false;
     }
+    idx_used = 0;
+}
+
+void kvmem_stager::flush() {
+    submit();
+    wait_stream();
 }

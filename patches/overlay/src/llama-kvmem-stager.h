@@ -7,8 +7,10 @@
 // working set's type (set_rows), for every tiered layer and for all blocks staged since the last flush at once. A
 // write-through is the reverse: get_rows gathers the block's cells, set_rows writes them into a staging slot in the
 // pool's type (quantizing there), then one backend->host copy per block. Nothing is converted on the host, and
-// there is no host wait between blocks or between rounds of a full staging buffer (only flush() waits). The same
-// graphs run on the CPU backend (CI) and on CUDA.
+// there is no host wait between blocks or between rounds of a full staging buffer (only flush() waits): the graphs'
+// row indices are constant and live on the backend, and each round's cell indices are uploaded from pinned host
+// memory (an upload from pageable memory would wait for the stream). The same graphs run on the CPU backend (CI)
+// and on CUDA.
 
 #include "llama-kvmem-pool.h"
 
@@ -60,8 +62,17 @@ private:
     ggml_backend_buffer_t buf = nullptr;
     ggml_tensor * base_k = nullptr;
     ggml_tensor * base_v = nullptr;
+    ggml_tensor * slot_tok = nullptr;      // i32 [block, cap]: token t of every staging slot (stage-in's get_rows)
+    ggml_tensor * block_tok = nullptr;     // i64 [block]: token t of a slot (write-through's set_rows)
     ggml_gallocr_t galloc = nullptr;
     std::vector<uint8_t> meta;             // the graph's tensor and node structs
+
+    // the rounds' cell indices until they are uploaded: pinned where the backend's device has host memory
+    ggml_backend_buffer_t idx_buf = nullptr;
+    std::vector<uint8_t> idx_plain;        // where it has none (the CPU backend copies at once)
+    uint8_t * idx_base = nullptr;
+    size_t idx_size = 0;
+    size_t idx_used = 0;                   // bytes of rounds submitted since the last wait
 
     direction dir = direction::none;
     std::vector<queued> q;
@@ -71,7 +82,15 @@ private:
     void queue(direction d, queued item);
     // runs what is queued without waiting: a full staging buffer's round, in stream order with the next one
     void submit();
-    // a view of every queued slot's K (or V) rows of layer lt: [n_per_row, block, n_queued] in the pool's type
-    ggml_tensor * slot_rows(ggml_context * g, uint32_t lt, bool is_v) const;
+    // a view of the first n slots' K (or V) rows of layer lt: [n_per_row, block, n] in the pool's type
+    ggml_tensor * slot_rows(ggml_context * g, uint32_t lt, bool is_v, int64_t n) const;
+    size_t graph_nodes() const { return layers.size()*2*8 + 16; }
+    // the graph moving n blocks in direction d; *cells is its input of the blocks' cell indices
+    ggml_cgraph * build_graph(ggml_context * g, direction d, int64_t n, ggml_tensor ** cells) const;
+    void alloc_tensors(ggml_backend_buffer_type_t buft);
+    void alloc_index_arena();
+    // room for the next round's cell indices in the arena (waits for the stream when the arena is used up)
+    uint8_t * index_room(size_t bytes);
     void run_graph();
+    void wait_stream();
 };

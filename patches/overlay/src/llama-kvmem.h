@@ -268,8 +268,15 @@ private:
     bool stage_in(llama_seq_id seq_id, int32_t b, kvmem_block & hb, kvmem_journal * journal);
     bool stage_in_at(llama_seq_id seq_id, int32_t b, kvmem_block & hb, const std::vector<uint32_t> & idx,
             kvmem_journal * journal); // into these cells
+    // the cells' side of a stage-in whose copy is queued: the block's positions, sequence and journal entry
+    void book_stage_in(llama_seq_id seq_id, int32_t b, kvmem_block & hb, const std::vector<uint32_t> & idx,
+            kvmem_journal * journal);
     bool stage_in_making_room(llama_seq_id seq_id, int32_t b, kvmem_block & hb, kvmem_journal * journal);
     std::vector<uint32_t> free_run(uint32_t n) const;
+    // the cells of up to n_in stage-ins, one after the other, as free_run would choose them once the leaving
+    // blocks of seq_id are evicted (before they are)
+    std::vector<std::vector<uint32_t>> place_stage_ins(llama_seq_id seq_id, const std::vector<int32_t> & leaving,
+            size_t n_in);
     std::vector<uint32_t> block_cells(llama_seq_id seq_id, int32_t b) const;
     void write_through(llama_seq_id seq_id);
 

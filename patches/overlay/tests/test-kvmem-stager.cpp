@@ -136,6 +136,39 @@ void check_type(ggml_backend_t be, ggml_type pool, size_t staging_bytes) {
     }
 }
 
+// more rounds between two flushes than the cell indices' arena holds (one block per round), all into the same
+// cells: each round's indices and rows arrive in order, so the cells end with the last block staged
+void check_many_rounds(ggml_backend_t be) {
+    working_set ws(be, GGML_TYPE_F16);
+    std::vector<std::vector<uint8_t>> slots(3, std::vector<uint8_t>(ws.slot_bytes()));
+    for (size_t b = 0; b < slots.size(); ++b) {
+        std::vector<float> f((size_t) N_LAYERS*2*BLOCK*N_PER_ROW, (float) b + 1.0f);
+        ggml_quantize_chunk(GGML_TYPE_F16, f.data(), slots[b].data(), 0, (int64_t) N_LAYERS*2*BLOCK, N_PER_ROW, nullptr);
+    }
+    std::vector<uint32_t> idx(BLOCK);
+    for (uint32_t t = 0; t < BLOCK; ++t) {
+        idx[t] = 40 + 3*t;
+    }
+    kvmem_stager st;
+    st.init(be, ws.layers, BLOCK, 1);
+    const int n_rounds = 2600; // over twice the arena's 1,024 blocks
+    for (int r = 0; r < n_rounds; ++r) {
+        st.to_device(slots[r % 3].data(), idx);
+    }
+    st.flush();
+    const float last = (float) ((n_rounds - 1) % 3) + 1.0f;
+    bool all = true;
+    for (uint32_t il = 0; il < N_LAYERS; ++il) {
+        for (const bool is_v : { false, true }) {
+            for (uint32_t t = 0; t < BLOCK; ++t) {
+                all = all && ws.row(il, is_v, idx[t])[N_PER_ROW - 1] == last;
+            }
+        }
+    }
+    KV_CHECK(all);
+    KV_CHECK(ws.row(0, false, 41)[0] == 0.0f); // between the cells: untouched
+}
+
 } // namespace
 
 KV_SUITE(stager) {
@@ -148,5 +181,6 @@ KV_SUITE(stager) {
         check_type(be, pool, (size_t) 64 << 20); // all three blocks in one graph
         check_type(be, pool, 1);                 // one block per graph: the queue flushes when full
     }
+    check_many_rounds(be);
     ggml_backend_free(be);
 }
