@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,12 @@ import pytest
 from kvmem_llama.default_model import default_model_path
 from kvmem_llama.engine import Engine, find_engine
 from kvmem_llama.serving.process import ServerProcess, start_llama_server
+
+# Tests send Ctrl-C (SIGINT) to the programs they start. A runner started in the background of a shell without
+# job control inherits SIGINT ignored, and exec passes an ignored signal on to every child: Python would then
+# install no KeyboardInterrupt handler in them and the tests would see Ctrl-C ignored. Children get the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
