@@ -5,8 +5,7 @@
     kvmem_score: SELECT seq=.. n_blocks=.. budget_blocks=.. share=.. sink=.. recent=.. scored=.. staged_in=..
                  staged_out=.. reused=.. query_tokens=.. ms=.. stage_ms=.. stage_mib=.. reason=.. pos=..
                  question=.. method=.. lexical=.. score_ms=.. capture_ms=.. plan_ms=.. score_steps=..
-                 score_build_ms=.. score_upload_ms=.. score_compute_ms=.. score_uploaded_rows=.. gather_ms=..
-                 stage_wait_ms=..
+                 score_build_ms=.. score_upload_ms=.. score_compute_ms=.. gather_ms=.. stage_wait_ms=..
                  [fits=1: the whole history is resident, nothing was scored]
     kvmem_score: FOLLOW seq=.. n_blocks=.. staged_in=.. staged_out=.. resident=.. target_resident=.. common=..
     kvmem_score: DRAFT follows the target's selection: blocks=.. layers=.. host_mib=..
@@ -17,15 +16,16 @@ SELECT is a selection of the blocks of one sequence: `reason` is turn (a prompt'
 (during generation), or prefill (inside a prompt, retrieval prefill mode); `pos` the position from which
 the new working set applies; `question` the blocks of the last user message kept resident; `share` the
 sequence's part of the budget in blocks when parallel sequences share it; `ms` the whole selection, of which
-`gather_ms` a turn's gathering of its question's query rows (on the host; on a fits=1 line too, whose `ms`
-stays 0: nothing was selected), `score_ms` the scorer, `stage_ms` the copies (`stage_wait_ms` of it the wait for
-the device's copies after the host has queued them and kept the cells' books) and `plan_ms` the rest of the
-planning (query rows, lexical picks, ranking). The graph scorer's part by phase (zeros with the host scorer):
-`score_steps` graph steps of query rows, `score_build_ms` building and allocating the graph, `score_upload_ms`
-the query rows and block indices (`score_uploaded_rows`: the question's rows stay on the device for the turn's
-re-selections, which upload only the newest rows), `score_compute_ms` the graph and its scores back.
+`gather_ms` a turn's gathering of its question's query rows (next to the graph scorer: one upload from the
+host ring to the device; the host scorer copies them; on a fits=1 line too, whose `ms` stays 0: nothing was
+selected), `score_ms` the scorer (with the graph scorer, uploading a re-selection's newest rows), `stage_ms` the
+copies (`stage_wait_ms` of it the wait for the device's copies after the host has queued them and kept the cells'
+books) and `plan_ms` the rest of the planning (query rows, lexical picks, ranking). The graph scorer's part by
+phase (zeros with the host scorer): `score_steps` graph steps of query rows per layer, `score_build_ms` building
+and allocating the graph, `score_upload_ms` the block indices, `score_compute_ms` the graph and its scores back.
 `capture_ms` is the host time spent after ubatches (captures and write-through) since the previous SELECT
-line. ARMED's `score_mib` is the scoring graph's device memory, taken at startup for the largest selection.
+line. ARMED's `score_mib` is the scoring graph's device memory, taken at startup for the largest selection, with
+its query rows (one question and one selection's newest rows, whatever the number of slots).
 FOLLOW is an MTP draft context bringing its resident blocks in line with the target's; DRAFT announces such
 a follower. The resident trace line lists the blocks resident after a selection (`layers` tells a target's
 cache from its draft model's in one log).

@@ -124,7 +124,8 @@ QUERY_TOKENS = 128  # --kvmem-query-tokens' default: a re-selection scores 1.5x 
 def summary_bytes(info: ModelInfo, ctx: int) -> int:
     """VRAM of scoring on the GPU: the block summaries (the engine sizes them for every block of the host pool),
     the scoring graph's memory, taken at startup for the largest selection (one layer's summaries gathered as f32,
-    one step's attention matrix, the query rows of a re-selection), and the staging buffer."""
+    one step's attention matrix), the query rows of a re-selection (one question's and its newest rows, kept on
+    the device whatever the number of slots: the others' wait in host memory), and the staging buffer."""
     tokens = (ctx // BLOCK_TOKENS + 2) * BLOCK_TOKENS
     summaries = info.summary_bytes_per_token * tokens
     layers = max(1, info.n_attention_layers)

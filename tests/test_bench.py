@@ -140,7 +140,7 @@ def test_record_selections_sorts_select_lines_by_reason() -> None:
         "score_ms=5.000 capture_ms=40.000",
         f"0.02 W kvmem_score: SELECT {keys} staged_in=1 ms=3.000 stage_ms=1.000 stage_mib=2.0 reason=refresh pos=1040 "
         "score_ms=1.000 capture_ms=6.500 plan_ms=0.500 score_steps=1 score_build_ms=0.100 score_upload_ms=0.200 "
-        "score_compute_ms=0.700 score_uploaded_rows=64 stage_wait_ms=0.400",
+        "score_compute_ms=0.700 gather_ms=0.050 stage_wait_ms=0.400",
         f"0.03 W kvmem_score: SELECT {keys} staged_in=0 ms=2.500 stage_ms=0.000 stage_mib=0.0 reason=room pos=1050",
         f"0.04 W kvmem_score: SELECT {keys} staged_in=2 ms=5.000 stage_ms=1.000 stage_mib=4.0 reason=prefill pos=512",
         f"0.05 W kvmem_score: SELECT {keys} staged_in=0 ms=0.000 stage_ms=0.000 stage_mib=0.0 reason=turn pos=9 fits=1",
@@ -157,5 +157,5 @@ def test_record_selections_sorts_select_lines_by_reason() -> None:
     # the parts of a selection, from the engines that time them
     assert result.phases == [{"reason": "refresh", "ms": 3.0, "stage_ms": 1.0, "score_ms": 1.0, "plan_ms": 0.5,
                               "score_steps": 1, "score_build_ms": 0.1, "score_upload_ms": 0.2, "score_compute_ms": 0.7,
-                              "score_uploaded_rows": 64, "stage_wait_ms": 0.4}]
+                              "gather_ms": 0.05, "stage_wait_ms": 0.4}]
     assert result.stage_in_gbps == [round(8 * 2**20 / 0.002 / 1e9, 2), round(2 * 2**20 / 0.004 / 1e9, 2)]

@@ -2,7 +2,8 @@
 
 They check the tiering engine's pure parts without a model or a server: the phase machine of a sequence, the
 residency rules (shares, protected blocks, the eviction order), the scorers and the lexical picks, the selection
-plan, the undo journal, the host pool and the one check of the --kvmem-* settings. `kvmem build` builds them with
+plan, the undo journal, the host pool, the one check of the --kvmem-* settings, the graph scorer, its query
+rows, the stager and the readback. `kvmem build` builds them with
 the CPU engine (KVMEM_BUILD_TESTS=ON).
 """
 
@@ -19,8 +20,8 @@ from kvmem_llama.engine import Engine
 
 pytestmark = pytest.mark.engine
 
-SUITES = {"seq", "residency", "score", "lexical", "plan", "journal", "pool", "params", "summaries", "stager",
-          "readback"}
+SUITES = {"seq", "residency", "score", "lexical", "plan", "journal", "pool", "params", "summaries", "queries",
+          "stager", "readback"}
 
 
 def test_engine_unit_tests_pass(cpu_engine: Engine) -> None:

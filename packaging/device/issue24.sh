@@ -39,7 +39,7 @@ run)
   build=$(ls -d ~/.cache/kvmem/trees/*/build-cuda-* | head -1); src=$(dirname "$build")/src
   mkdir -p "$src/tests" && cp -rn patches/overlay/tests/. "$src/tests/"
   cmake -S "$src" -B "$build" -DKVMEM_BUILD_TESTS=ON >/dev/null && ninja -C "$build" test-kvmem 2>&1 | tail -3
-  for suite in stager summaries readback; do KVMEM_TEST_DEVICE=CUDA0 "$build/bin/test-kvmem" $suite 2>&1 | grep -v load_backend; done | tee "$OUT/cuda-suites.txt"
+  for suite in stager summaries queries readback; do KVMEM_TEST_DEVICE=CUDA0 "$build/bin/test-kvmem" $suite 2>&1 | grep -v load_backend; done | tee "$OUT/cuda-suites.txt"
   # shellcheck disable=SC2086
   REPEATS=${REPEATS:-3} bash packaging/device/bench-cells.sh $CELLS
   echo "ALL DONE" ;;

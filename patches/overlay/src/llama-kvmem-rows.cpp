@@ -13,11 +13,6 @@
 
 static constexpr llama_pos POS_END = std::numeric_limits<llama_pos>::max();
 
-// query rows kept beyond the query itself: the template tokens after the last user message, and
-// the rows of speculative drafts that may still be rejected (rows are dropped by position only, so a
-// rejected draft leaves the same rows as one-token decoding would)
-static constexpr uint32_t KVMEM_ROW_SLACK = 256;
-
 void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph_result * res, const llama_ubatch & ubatch) {
     if (!res) {
         return;
@@ -51,7 +46,7 @@ bool llama_kvmem_cache::wants_query_rows(const llama_ubatch & ubatch) const {
     // a token that wants them is enough (the answer only grows with the position): the newest tokens first
     for (uint32_t i = ubatch.n_tokens; i-- > 0; ) {
         const kvmem_seq * st = find_seq(ubatch.seq_id[i][0]);
-        if (!st || st->wants_query_rows(ubatch.pos[i], kp.query_tokens + KVMEM_ROW_SLACK)) {
+        if (!st || st->wants_query_rows(ubatch.pos[i], kvmem_kept_query_rows(kp.query_tokens) - 1)) {
             return true;
         }
     }
@@ -153,7 +148,8 @@ void llama_kvmem_cache::capture_tokens(const llama_ubatch & ubatch) {
 }
 
 void llama_kvmem_cache::capture_queries(const llama_ubatch & ubatch) {
-    // query rows: the last n_cap_q tokens of this ubatch, kept by position ([layer][head][head_dim] each)
+    // query rows: the last n_cap_q tokens of this ubatch, kept by position ([layer][head][head_dim] each), in the
+    // graph scorer's rings (the position noted here) or here
     const uint32_t nt = ubatch.n_tokens;
     const size_t per_q = (size_t) dims.n_head*dims.head_dim;
     if (lrows.empty() || n_cap_q == 0 || !cap_q[0]) {
@@ -161,19 +157,27 @@ void llama_kvmem_cache::capture_queries(const llama_ubatch & ubatch) {
     }
     std::set<llama_seq_id> touched;
     for (uint32_t j = 0; j < n_cap_q; ++j) {
-        std::vector<float> row((size_t) lrows.size()*per_q, 0.0f);
+        const uint32_t i = nt - n_cap_q + j;
+        const llama_seq_id s = ubatch.seq_id[i][0];
+        std::vector<float> kept;
+        float * row = query_store ? query_store->ring_row((uint32_t) s, ubatch.pos[i]) : nullptr;
+        if (!row) {
+            kept.assign((size_t) lrows.size()*per_q, 0.0f);
+            row = kept.data();
+        }
         for (uint32_t lt = 0; lt < lrows.size(); ++lt) {
             if (cap_q[lt]) {
-                std::memcpy(row.data() + lt*per_q, cap_q[lt] + j*per_q, per_q*sizeof(float));
+                std::memcpy(row + lt*per_q, cap_q[lt] + j*per_q, per_q*sizeof(float));
+            } else {
+                std::fill(row + lt*per_q, row + (lt + 1)*per_q, 0.0f);
             }
         }
-        const uint32_t i = nt - n_cap_q + j;
-        open_seq(ubatch.seq_id[i][0]).rows.query[ubatch.pos[i]] = std::move(row);
-        touched.insert(ubatch.seq_id[i][0]);
+        open_seq(s).rows.query[ubatch.pos[i]] = std::move(kept);
+        touched.insert(s);
     }
     for (const auto s : touched) {
         auto & q = open_seq(s).rows.query;
-        const llama_pos keep = q.rbegin()->first - (llama_pos) (kp.query_tokens + KVMEM_ROW_SLACK);
+        const llama_pos keep = q.rbegin()->first - (llama_pos) (kvmem_kept_query_rows(kp.query_tokens) - 1);
         q.erase(q.begin(), q.lower_bound(keep));
     }
 }

@@ -15,21 +15,14 @@
 // query span: the needle block stands out and ranks first in 26, 30, 28 with 16; 11, 10, 17 unweighted)
 static constexpr float KVMEM_LEX_HALF = 16.0f;
 
+// query rows kept beyond the query itself (kvmem_kept_query_rows)
+static constexpr uint32_t KVMEM_ROW_SLACK = 256;
+
 static constexpr llama_pos POS_END = std::numeric_limits<llama_pos>::max();
 
 //
 // the plan (pure)
 //
-
-std::vector<float> kvmem_query::contiguous() const {
-    std::vector<float> rows;
-    rows.reserve((size_t) n_rows()*per);
-    rows.insert(rows.end(), turn, turn + (size_t) n_turn*per);
-    for (const float * r : newest) {
-        rows.insert(rows.end(), r, r + per);
-    }
-    return rows;
-}
 
 uint32_t kvmem_newest_query_rows(uint32_t query_tokens) {
     return std::max<uint32_t>(1, query_tokens/2);
@@ -39,28 +32,28 @@ uint32_t kvmem_max_query_rows(uint32_t query_tokens) {
     return query_tokens + kvmem_newest_query_rows(query_tokens);
 }
 
-kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens) {
-    const size_t per = dims.query_row();
+uint32_t kvmem_prompt_query_rows(uint32_t query_tokens) {
+    return std::min<uint32_t>(query_tokens, 64);
+}
+
+uint32_t kvmem_kept_query_rows(uint32_t query_tokens) {
+    return query_tokens + KVMEM_ROW_SLACK + 1;
+}
+
+kvmem_query kvmem_query_rows(const kvmem_seq & st, uint32_t query_tokens) {
     kvmem_query q;
-    q.per = per;
     // the newest rows (of positions >= from), at most `want`, oldest first
     auto add_newest = [&](uint32_t want, llama_pos from) {
-        std::vector<const std::vector<float> *> picked;
-        for (auto it = st.rows.query.rbegin(); it != st.rows.query.rend() && it->first >= from && picked.size() < want; ++it) {
-            picked.push_back(&it->second);
+        for (auto it = st.rows.query.rbegin(); it != st.rows.query.rend() && it->first >= from && q.newest.size() < want; ++it) {
+            q.newest.push_back(it->first);
         }
-        for (auto p = picked.rbegin(); p != picked.rend(); ++p) {
-            GGML_ASSERT((*p)->size() == per && "a query row is [layer][head][head_dim]");
-            q.newest.push_back((*p)->data());
-        }
+        std::reverse(q.newest.begin(), q.newest.end());
     };
     if (st.phase() == kvmem_phase::PROMPT && st.turn.q0 < 0) {
-        add_newest(std::min<uint32_t>(query_tokens, 64), 0); // inside a prompt (retrieval prefill)
+        add_newest(kvmem_prompt_query_rows(query_tokens), 0); // inside a prompt (retrieval prefill)
         return q;
     }
-    q.turn = st.turn.q.data();
-    q.n_turn = (uint32_t) (st.turn.q.size()/std::max<size_t>(per, 1));
-    q.turn_serial = st.turn.q_serial;
+    q.n_turn = st.turn.n_q;
     if (st.phase() == kvmem_phase::GEN && st.turn.pos >= 0) {
         add_newest(kvmem_newest_query_rows(query_tokens), st.turn.pos);
     }
@@ -97,7 +90,14 @@ kvmem_score_fn kvmem_host_scores(const kvmem_seq & st, const kvmem_scorer & scor
         for (const int32_t b : ids) {
             sums.push_back(st.rows.summary.at(b).data());
         }
-        scorer.score(sums, candidate, q.contiguous().data(), q.n_rows(), out);
+        GGML_ASSERT(st.turn.q.size() == (size_t) q.n_turn*scorer.dims().query_row() && "the question's rows are on the host");
+        std::vector<float> rows(st.turn.q);
+        for (const llama_pos p : q.newest) {
+            const std::vector<float> & r = st.rows.query.at(p);
+            GGML_ASSERT(r.size() == scorer.dims().query_row() && "a query row is [layer][head][head_dim]");
+            rows.insert(rows.end(), r.begin(), r.end());
+        }
+        scorer.score(sums, candidate, rows.data(), q.n_rows(), out);
     };
 }
 
@@ -145,8 +145,7 @@ kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, 
     kvmem_plan plan;
     kvmem_plan_fixed(g, st, avail, plan);
 
-    const kvmem_dims dims = scorer.dims();
-    const kvmem_query q = kvmem_query_rows(st, dims, query_tokens);
+    const kvmem_query q = kvmem_query_rows(st, query_tokens);
     plan.n_rows = q.n_rows();
     const auto ranked = kvmem_rank_blocks(st, scorer, score_fn, q, plan.target);
     std::vector<std::pair<float, int32_t>> lex;
@@ -188,20 +187,23 @@ kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, 
 // the cache: running a selection
 //
 
-kvmem_score_fn llama_kvmem_cache::score_fn(const kvmem_seq & st) {
+kvmem_score_fn llama_kvmem_cache::score_fn(llama_seq_id seq_id, const kvmem_seq & st) {
     if (!graph_scorer) {
         return kvmem_host_scores(st, *scorer);
     }
-    return [this, &st](const std::vector<int32_t> & ids, const std::vector<char> &, const kvmem_query & q,
+    return [this, seq_id, &st](const std::vector<int32_t> & ids, const std::vector<char> &, const kvmem_query & q,
             std::vector<float> & out) {
         std::vector<uint32_t> slots;
         for (const int32_t b : ids) {
             slots.push_back(st.blocks.at(b).slot);
         }
         copier.wait(); // the summaries' uploads share the device's stream
-        std::vector<kvmem_graph_scorer::rows_span> rows = { { q.turn, q.n_turn, q.turn_serial } };
-        for (const float * r : q.newest) {
-            rows.push_back({ r, 1 });
+        std::vector<kvmem_graph_scorer::rows_span> rows;
+        if (q.n_turn > 0) {
+            rows.push_back(query_store->turn_rows((uint32_t) seq_id, q.n_turn));
+        }
+        if (q.n_newest() > 0) {
+            rows.push_back(query_store->newest_rows((uint32_t) seq_id, q.newest));
         }
         graph_scorer->score(slots, rows, out);
     };
@@ -212,14 +214,21 @@ void llama_kvmem_cache::begin_turn_query(llama_seq_id seq_id, kvmem_seq & st, ll
     llama_pos q0 = -1, q1 = -1;
     turn_query_span(seq_id, pos, q0, q1);
     st.start_turn(pos, q0, q1);
-    const size_t per_q = dims.query_row();
-    st.turn.q.clear();
+    // the question's rows: from the graph scorer's ring onto its device, or gathered on the host
+    std::vector<llama_pos> positions;
     for (auto r = st.rows.query.lower_bound(q0); r != st.rows.query.end() && r->first < q1; ++r) {
-        if (r->second.size() == per_q) {
-            st.turn.q.insert(st.turn.q.end(), r->second.begin(), r->second.end());
+        positions.push_back(r->first);
+    }
+    st.turn.q.clear();
+    if (query_store) {
+        query_store->keep_turn((uint32_t) seq_id, positions);
+    } else {
+        for (const llama_pos p : positions) {
+            const std::vector<float> & r = st.rows.query.at(p);
+            st.turn.q.insert(st.turn.q.end(), r.begin(), r.end());
         }
     }
-    st.turn.q_serial = ++turn_serials;
+    st.turn.n_q = (uint32_t) positions.size();
     std::vector<llama_token> span;
     for (llama_pos qp = std::max<llama_pos>(0, q0); qp < q1; ++qp) {
         const auto bt = st.rows.tokens.find(qp/kp.block);
@@ -269,7 +278,7 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     GGML_ASSERT(found && "a selection is for a sequence that decoded a batch");
     kvmem_seq & st = *found;
     const llama_pos pos = kvmem_cells().seq_pos_max(seq_id) + 1;
-    // a turn first gathers its question's query rows (host copies): part of the selection's time, and said apart
+    // a turn first gathers its question's query rows (device or host copies): part of the selection's time, said apart
     const int64_t t_start = ggml_time_us();
     if (reason == kvmem_reason::TURN) {
         begin_turn_query(seq_id, st, pos);
@@ -303,7 +312,7 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     }
     // the scorer's part of the selection, for the SELECT line
     int64_t score_us = 0;
-    const kvmem_score_fn scores = [&score_us, inner = score_fn(st)](const std::vector<int32_t> & ids,
+    const kvmem_score_fn scores = [&score_us, inner = score_fn(seq_id, st)](const std::vector<int32_t> & ids,
             const std::vector<char> & candidate, const kvmem_query & q, std::vector<float> & out) {
         const int64_t t0 = ggml_time_us();
         inner(ids, candidate, q, out);
@@ -347,12 +356,12 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%zu staged_in=%u "
             "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s lexical=%u "
             "score_ms=%.3f capture_ms=%.3f plan_ms=%.3f score_steps=%u score_build_ms=%.3f score_upload_ms=%.3f "
-            "score_compute_ms=%.3f score_uploaded_rows=%u gather_ms=%.3f stage_wait_ms=%.3f\n",
+            "score_compute_ms=%.3f gather_ms=%.3f stage_wait_ms=%.3f\n",
             seq_id, st.n_blocks(), geom.budget_blocks, share, plan.n_sink, plan.n_recent, plan.picks.size(), staged_in,
             staged_out, reused, plan.n_rows, ms, stage_ms, (double) staged_in*ws_block_bytes()/1024.0/1024.0,
             kvmem_reason_name(reason), pos, plan.n_question, kvmem_scorer::method_name(scorer->method()), plan.n_lexical,
             score_us/1000.0, capture_us/1000.0, (t_stage - t_start - score_us)/1000.0 - gather_ms, gt.n_steps, gt.build_us/1000.0,
-            gt.upload_us/1000.0, gt.compute_us/1000.0, gt.n_uploaded, gather_ms, stage_wait_ms);
+            gt.upload_us/1000.0, gt.compute_us/1000.0, gather_ms, stage_wait_ms);
     capture_us = 0;
     if (kp.trace) {
         trace_resident(seq_id, st, pos, reason);

@@ -20,25 +20,26 @@ struct kvmem_plan {
     uint32_t n_sink = 0, n_question = 0, n_recent = 0, n_rows = 0, n_lexical = 0;
 };
 
-// the query rows of a selection ([layer][head][head_dim] each): the question's rows, then the newest rows (during
-// generation the newest generated tokens', inside a prompt (retrieval prefill) the prompt's newest rows alone). All
-// are borrowed from the sequence, none copied (a turn's are 50 MB on a 27B model, a re-selection's newest 25 MB):
-// use it only within one selection, while the sequence's rows do not change
+// the query rows of a selection: the question's rows (st.turn), then the newest rows (during generation the newest
+// generated tokens', inside a prompt (retrieval prefill) the prompt's newest rows alone), by position in
+// st.rows.query. Where the rows are is the scorer's business (the host's copies, or kvmem_query_store)
 struct kvmem_query {
-    const float * turn = nullptr;
     uint32_t n_turn = 0;
-    uint64_t turn_serial = 0;            // st.turn.q_serial
-    std::vector<const float *> newest;   // one row each, oldest first
-    size_t per = 0; // floats per row
+    std::vector<llama_pos> newest; // oldest first
 
     uint32_t n_newest() const { return (uint32_t) newest.size(); }
     uint32_t n_rows() const { return n_turn + n_newest(); }
-    std::vector<float> contiguous() const; // all rows, one after the other
 };
-kvmem_query kvmem_query_rows(const kvmem_seq & st, const kvmem_dims & dims, uint32_t query_tokens);
+kvmem_query kvmem_query_rows(const kvmem_seq & st, uint32_t query_tokens);
 // the newest generated tokens' rows a re-selection adds to the question's, and the most rows kvmem_query_rows gives
 uint32_t kvmem_newest_query_rows(uint32_t query_tokens);
 uint32_t kvmem_max_query_rows(uint32_t query_tokens);
+// inside a prompt (retrieval prefill) the newest rows a selection scores with
+uint32_t kvmem_prompt_query_rows(uint32_t query_tokens);
+// the newest tokens whose query rows a sequence keeps: the query itself, the template tokens after the last user
+// message, and the rows of speculative drafts that may still be rejected (rows are dropped by position only, so a
+// rejected draft leaves the same rows as one-token decoding would)
+uint32_t kvmem_kept_query_rows(uint32_t query_tokens);
 
 // scores of the blocks `ids` (all with summaries; `candidate` marks those that may be picked) for the query rows:
 // the host scorer over the host summaries, or the graph scorer over the device's (llama-kvmem-summaries.h)

@@ -40,7 +40,7 @@ void kvmem_seq::start_prompt(bool selects_in_prompt, llama_pos p0) {
     next_prefill = selects_in_prompt ? p0 : -1; // the first prompt batch already selects with the rows there are
     turn.q0 = turn.q1 = -1;
     turn.q.clear();
-    turn.q_serial = 0;
+    turn.n_q = 0;
     turn.tokens.clear();
     squeezed    = false;
     prompt_mark = false;

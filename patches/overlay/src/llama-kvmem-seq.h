@@ -93,7 +93,9 @@ struct kvmem_seq_rows {
     // many leading tokens are unchanged, to rebuild the summary when the block completes again
     std::map<int32_t, std::pair<std::vector<float>, uint32_t>> stale;
     std::map<llama_pos, std::vector<float>> key;       // key rows of the two newest blocks (rebuild after a cut)
-    std::map<llama_pos, std::vector<float>> query;     // query rows of the newest tokens
+    // the newest tokens' query rows: here on the host scorer, empty where they live on the scoring backend
+    // (kvmem_query_store; the keys still say which positions have rows)
+    std::map<llama_pos, std::vector<float>> query;
     std::map<int32_t, std::vector<llama_token>> tokens; // token ids by block (-1: unknown), for lexical picks
 };
 
@@ -101,8 +103,8 @@ struct kvmem_seq_rows {
 struct kvmem_turn {
     llama_pos pos = -1;          // end of the prompt (position of the first generated token)
     llama_pos q0  = -1, q1 = -1; // the question span [q0, q1)
-    std::vector<float> q;        // the question's query rows
-    uint64_t q_serial = 0;       // names these rows (unique within the cache; 0: none): a scorer may keep them
+    std::vector<float> q;        // the question's query rows on the host scorer (the graph scorer's are on its backend)
+    uint32_t n_q = 0;            // how many rows the question has
     std::vector<std::pair<llama_token, float>> tokens; // the question's tokens, weighted toward its end
 };
 

@@ -254,7 +254,7 @@ llama_kvmem_cache::llama_kvmem_cache(
                 kp.prefill == LLAMA_KVMEM_PREFILL_RETRIEVAL ? "retrieval" : "window",
                 ggml_type_name(this->type_k()), ggml_type_name(this->type_v()), ggml_type_name(type_k), ggml_type_name(type_v),
                 summaries ? std::ceil(summaries->bytes()/1024.0/1024.0) : 0.0,
-                graph_scorer ? std::ceil(graph_scorer->compute_bytes()/1024.0/1024.0) : 0.0,
+                graph_scorer ? std::ceil((graph_scorer->compute_bytes() + query_store->device_bytes())/1024.0/1024.0) : 0.0,
                 score_backend ? ggml_backend_name(score_backend) : "host");
     }
     LLAMA_LOG_INFO("%s: GPU working set %u cells (budget %u + gen reserve %u x %u sequences), sink %u block(s), recent %u block(s), "
@@ -282,10 +282,14 @@ void llama_kvmem_cache::init_summaries() {
     summaries = std::make_unique<kvmem_summary_store>();
     summaries->init(ggml_backend_get_default_buffer_type(score_backend), dims,
             (uint32_t) (scorer->summary_size()/dims.key_row()), pool.capacity());
+    query_store = std::make_unique<kvmem_query_store>();
+    const uint32_t n_newest = std::max(kvmem_newest_query_rows(kp.query_tokens), kvmem_prompt_query_rows(kp.query_tokens));
+    query_store->init(score_backend, dims, n_seq_cap, kvmem_kept_query_rows(kp.query_tokens), kp.query_tokens, n_newest);
     graph_scorer = std::make_unique<kvmem_graph_scorer>(score_backend, *summaries);
-    graph_scorer->reserve(kvmem_max_query_rows(kp.query_tokens), kp.query_tokens);
-    LLAMA_LOG_INFO("%s: block summaries %.1f MiB on %s, scoring there (compute buffer %.1f MiB)\n", __func__,
-            summaries->bytes()/1024.0/1024.0, ggml_backend_name(score_backend), graph_scorer->compute_bytes()/1024.0/1024.0);
+    graph_scorer->reserve(query_store->largest()); // a re-selection's question and newest rows
+    LLAMA_LOG_INFO("%s: block summaries %.1f MiB and query rows %.1f MiB on %s (%.1f MiB of host memory), scoring there "
+            "(compute buffer %.1f MiB)\n", __func__, summaries->bytes()/1024.0/1024.0, query_store->device_bytes()/1024.0/1024.0,
+            ggml_backend_name(score_backend), query_store->host_bytes()/1024.0/1024.0, graph_scorer->compute_bytes()/1024.0/1024.0);
 }
 
 llama_kvmem_cache::~llama_kvmem_cache() {
@@ -298,6 +302,7 @@ llama_kvmem_cache::~llama_kvmem_cache() {
     }
     copier.wait();
     graph_scorer.reset();
+    query_store.reset();
     summaries.reset();
     if (own_score_backend) {
         ggml_backend_free(own_score_backend);

@@ -67,66 +67,47 @@ uint32_t kvmem_graph_scorer::rows_per_step(size_t n_blocks) const {
 
 kvmem_graph_scorer::~kvmem_graph_scorer() {
     ggml_gallocr_free(galloc);
-    if (kept_buf) {
-        ggml_backend_buffer_free(kept_buf);
-    }
-    if (kept_ctx) {
-        ggml_free(kept_ctx);
-    }
 }
 
-kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, uint32_t n_rows, uint32_t n_kept) {
+kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, const std::vector<rows_span> & rows) {
     const kvmem_dims & d = store.dims();
     const uint32_t n_ch = store.n_chunks();
     const int64_t n_blocks = (int64_t) n_blocks_in;
     GGML_ASSERT(d.n_head % d.n_head_kv == 0);
     const int64_t group = d.n_head/d.n_head_kv; // query heads per KV head
-    GGML_ASSERT(n_kept <= n_rows);
-    GGML_ASSERT(n_kept == 0 || (kept && (size_t) n_kept*d.query_row() <= (size_t) ggml_nelements(kept)));
-    // the rows come in two runs, the kept ones (on the backend already) and the uploaded ones; a step reads one run
-    const uint32_t step_rows = std::min(n_rows, rows_per_step(n_blocks_in));
-    const uint32_t n_fresh = n_rows - n_kept;
+    const uint32_t step_rows = rows_per_step(n_blocks_in);
     graph g;
-    g.n_steps = (n_kept + step_rows - 1)/step_rows + (n_fresh + step_rows - 1)/step_rows;
-    const size_t n_nodes = (size_t) d.n_lt*(3 + 14*g.n_steps) + 16;
+    for (const rows_span & r : rows) {
+        GGML_ASSERT(r.t && r.t->type == GGML_TYPE_F32 && r.t->buffer && "query rows are f32 on the scorer's backend");
+        g.n_steps += (r.n + step_rows - 1)/step_rows;
+    }
+    const size_t n_nodes = (size_t) d.n_lt*(2 + 14*(size_t) g.n_steps) + 16; // n_steps: per layer
     meta.resize(ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false));
     ggml_init_params params = { meta.size(), meta.data(), /*no_alloc*/ true };
     g.ctx = ggml_init(params);
     ggml_context * ctx = g.ctx;
     g.gf = ggml_new_graph_custom(ctx, n_nodes, false);
 
-    // the chunk rows of these blocks, the same for every KV head; the query rows as they come ([row][layer][head]
-    // [head_dim]), regrouped on the backend so that each KV head's summaries are read once per step for all the
-    // query heads that share it
+    // the chunk rows of these blocks, the same for every KV head; the query rows where they are, regrouped so that
+    // each KV head's summaries are read once per step for all the query heads that share it
     g.idx = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_blocks*n_ch, d.n_head_kv);
     ggml_set_input(g.idx);
-    std::vector<std::pair<ggml_tensor *, uint32_t>> runs;
-    if (n_kept > 0) {
-        runs.push_back({ kept, n_kept });
-    }
-    if (n_fresh > 0) {
-        g.qin = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, (int64_t) n_fresh*d.query_row());
-        ggml_set_input(g.qin);
-        runs.push_back({ g.qin, n_fresh });
-    }
     ggml_tensor * total = nullptr;
     const float scale = 1.0f/std::sqrt((float) d.head_dim);
     const size_t fl = sizeof(float);
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
-        // [head_dim, keys, kv heads], gathered (f32) and back to f16: the products run as f16 matrix products
-        // (tensor cores on a GPU; f32 ones took most of a 256K selection's time), accumulated in f32
-        ggml_tensor * k = ggml_cast(ctx, ggml_get_rows(ctx, store.layer(lt), g.idx), GGML_TYPE_F16);
-        for (const auto & [src, n_run] : runs) {
-            for (uint32_t r0 = 0; r0 < n_run; r0 += step_rows) {
-                const int64_t nr = std::min(step_rows, n_run - r0);
+        // [head_dim, keys, kv heads] gathered as f32: f32 products (an f16 operand with f32 sums converts it back
+        // to f32 inside every product on CUDA; measured slower on the H200)
+        ggml_tensor * k = ggml_get_rows(ctx, store.layer(lt), g.idx);
+        for (const rows_span & r : rows) {
+            for (uint32_t r0 = 0; r0 < r.n; r0 += step_rows) {
+                const int64_t nr = std::min(step_rows, r.n - r0);
                 // [head_dim, group, kv heads, rows] of this layer -> [head_dim, group*rows, kv heads]
-                ggml_tensor * qs = ggml_view_4d(ctx, src, d.head_dim, group, d.n_head_kv, nr, d.head_dim*fl,
-                        group*d.head_dim*fl, d.query_row()*fl, ((size_t) r0*d.query_row() + (size_t) lt*d.n_head*d.head_dim)*fl);
+                ggml_tensor * qs = ggml_view_4d(ctx, const_cast<ggml_tensor *>(r.t), d.head_dim, group, d.n_head_kv, nr,
+                        d.head_dim*fl, group*d.head_dim*fl, r.row_nb, r.offs + lt*r.layer_nb + r0*r.row_nb);
                 qs = ggml_cont(ctx, ggml_permute(ctx, qs, 0, 1, 3, 2));
                 qs = ggml_reshape_3d(ctx, qs, d.head_dim, group*nr, d.n_head_kv);
                 ggml_tensor * kq = ggml_mul_mat(ctx, k, qs); // [keys, group*rows, kv heads]
-                ggml_prec_set_acc(kq, GGML_PREC_F32);    // sums in f32
-                ggml_prec_set_src(kq, GGML_PREC_F16, 1); // the query rows may be converted to f16 for it
                 kq = ggml_soft_max_ext(ctx, kq, nullptr, scale, 0.0f);
                 ggml_tensor * best = ggml_pool_1d(ctx, kq, GGML_OP_POOL_MAX, n_ch, n_ch, 0); // [blocks, group*rows, kv heads]
                 best = ggml_reshape_2d(ctx, ggml_sqr(ctx, best), n_blocks, group*nr*d.n_head_kv);
@@ -141,28 +122,14 @@ kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, uint32_t
     return g;
 }
 
-void kvmem_graph_scorer::reserve(uint32_t max_rows, uint32_t max_kept) {
-    GGML_ASSERT(kept == nullptr && max_kept <= max_rows && "reserved once");
-    if (max_kept > 0) {
-        ggml_init_params params = { ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
-        kept_ctx = ggml_init(params);
-        kept = ggml_new_tensor_1d(kept_ctx, GGML_TYPE_F32, (int64_t) max_kept*store.dims().query_row());
-        ggml_set_name(kept, "kvmem_kept_rows");
-        kept_buf = ggml_backend_alloc_ctx_tensors_from_buft(kept_ctx, ggml_backend_get_default_buffer_type(backend));
-        GGML_ASSERT(kept_buf && "kvmem: cannot allocate the scorer's kept query rows");
-    }
-    // the largest graph a selection builds (every slot scored, the most query rows): the compute buffer is taken
-    // now, once, instead of growing with the history (a reallocation frees and takes device memory, and waits)
-    if (max_rows == 0) {
-        return;
-    }
-    graph g = build(store.n_slots(), max_rows, max_kept);
+void kvmem_graph_scorer::reserve(const std::vector<rows_span> & largest) {
+    graph g = build(store.n_slots(), largest);
     GGML_ASSERT(ggml_gallocr_reserve(galloc, g.gf) && "kvmem: cannot allocate the scoring graph");
     ggml_free(g.ctx);
 }
 
 size_t kvmem_graph_scorer::compute_bytes() const {
-    return ggml_gallocr_get_buffer_size(galloc, 0) + (kept_buf ? ggml_backend_buffer_get_size(kept_buf) : 0);
+    return ggml_gallocr_get_buffer_size(galloc, 0);
 }
 
 void kvmem_graph_scorer::score(const std::vector<uint32_t> & slots, const std::vector<rows_span> & rows, std::vector<float> & out) {
@@ -179,23 +146,9 @@ void kvmem_graph_scorer::score(const std::vector<uint32_t> & slots, const std::v
         return;
     }
     const int64_t t0 = ggml_time_us();
-    for (size_t i = 1; i < rows.size(); ++i) {
-        GGML_ASSERT(rows[i].serial == 0 && "only the first span is kept");
-    }
-    // the first span stays on the backend when it has a serial and room: uploaded when its serial is new
-    const bool keep = rows[0].serial != 0 && rows[0].n > 0 && kept && (size_t) rows[0].n*d.query_row() <= (size_t) ggml_nelements(kept);
-    const uint32_t n_kept = keep ? rows[0].n : 0;
-    graph g = build(n_blocks, n_rows, n_kept);
+    graph g = build(n_blocks, rows);
     GGML_ASSERT(ggml_gallocr_alloc_graph(galloc, g.gf) && "kvmem: cannot allocate the scoring graph");
     const int64_t t1 = ggml_time_us();
-    uint32_t n_uploaded = 0;
-    if (keep && (rows[0].serial != kept_serial || rows[0].n != kept_n)) {
-        ggml_backend_tensor_set(kept, rows[0].data, 0, (size_t) n_kept*d.query_row()*sizeof(float));
-        kept_serial = rows[0].serial;
-        kept_n = n_kept;
-        n_uploaded += n_kept;
-    }
-
     idx_host.resize(n_blocks*n_ch*d.n_head_kv);
     for (size_t i = 0; i < n_blocks*n_ch; ++i) {
         idx_host[i] = (int32_t) (slots[i/n_ch]*n_ch + i % n_ch);
@@ -204,18 +157,9 @@ void kvmem_graph_scorer::score(const std::vector<uint32_t> & slots, const std::v
         std::copy(idx_host.begin(), idx_host.begin() + n_blocks*n_ch, idx_host.begin() + kv*n_blocks*n_ch);
     }
     ggml_backend_tensor_set(g.idx, idx_host.data(), 0, ggml_nbytes(g.idx));
-    size_t at = 0;
-    for (size_t i = keep ? 1 : 0; i < rows.size(); ++i) {
-        const size_t bytes = (size_t) rows[i].n*d.query_row()*sizeof(float);
-        if (bytes > 0) {
-            ggml_backend_tensor_set(g.qin, rows[i].data, at, bytes);
-            n_uploaded += rows[i].n;
-        }
-        at += bytes;
-    }
     const int64_t t2 = ggml_time_us();
     GGML_ASSERT(ggml_backend_graph_compute(backend, g.gf) == GGML_STATUS_SUCCESS);
     ggml_backend_tensor_get(g.total, out.data(), 0, out.size()*sizeof(float));
     ggml_free(g.ctx);
-    last = { t1 - t0, t2 - t1, ggml_time_us() - t2, g.n_steps, n_uploaded };
+    last = { t1 - t0, t2 - t1, ggml_time_us() - t2, g.n_steps };
 }

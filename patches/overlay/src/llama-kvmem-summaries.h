@@ -3,11 +3,12 @@
 // KVMem: block summaries where the working set lives, and the `mass` scorer as a ggml graph over them (kvmem-llama).
 //
 // Every host slot has room for its block's summary (the chunk means of the block's pre-RoPE keys, per tiered layer
-// and KV head) in f16 tensors on the backend that holds the working set: VRAM on a GPU, host memory on the CPU. A
-// selection uploads only its query rows; the graph (get_rows, an f16 mul_mat, soft_max, a max pool over each block's
-// chunks, sqr, sum) runs there, and only one score per block comes back. The same graph runs on the CPU backend
-// (CI) as on CUDA. It computes what kvmem_scorer's `mass` computes on the host (llama-kvmem-score.cpp), from f16
-// summaries (tests/test-kvmem-summaries.cpp compares the two).
+// and KV head) in f16 tensors on the backend that holds the working set: VRAM on a GPU, host memory on the CPU. The
+// query rows are there too (llama-kvmem-queries.h); the graph (get_rows, an f32 mul_mat, soft_max, a max pool over
+// each block's chunks, sqr, sum) runs there, and only one score per block comes back. The same graph runs on the
+// CPU backend (CI) as on CUDA. It computes what kvmem_scorer's `mass` computes on the host (llama-kvmem-score.cpp),
+// from f16 summaries (tests/test-kvmem-summaries.cpp compares the two).
+
 
 #include "llama-kvmem-score.h"
 
@@ -62,13 +63,12 @@ public:
     kvmem_graph_scorer & operator=(const kvmem_graph_scorer &) = delete;
     ~kvmem_graph_scorer();
 
-    // n rows of [layer][head][head_dim] floats, contiguous. serial != 0 (the first span only): these rows are the
-    // same whenever this serial comes again, so they stay on the backend and are not uploaded again (a turn's
-    // question rows, scored at the turn and at each re-selection during its answer)
+    // n query rows on the scorer's backend: row r of tiered layer lt is the [head][head_dim] floats at byte
+    // offs + lt*layer_nb + r*row_nb of t
     struct rows_span {
-        const float * data;
+        const ggml_tensor * t;
+        size_t offs, row_nb, layer_nb;
         uint32_t n;
-        uint64_t serial = 0;
     };
 
     // out[i]: the score of the block in slots[i] for the query rows (the spans one after the other): the softmax
@@ -79,16 +79,16 @@ public:
     // query rows per graph step for this many blocks: as many as the step's bound holds, at least one
     uint32_t rows_per_step(size_t n_blocks) const;
 
-    // take the backend memory of the largest selection now: the compute buffer for every slot and max_rows query
-    // rows, and room to keep max_kept rows of a serial span; compute_bytes: both
-    void reserve(uint32_t max_rows, uint32_t max_kept);
+    // take the backend memory of the largest selection now (every slot, these rows): the compute buffer is taken
+    // once instead of growing with the history (a reallocation frees and takes device memory, and waits)
+    void reserve(const std::vector<rows_span> & largest);
     size_t compute_bytes() const;
 
     // where the last score() spent its time (host microseconds): building and allocating the graph, uploading the
-    // query rows and block indices, computing and reading the scores back; the rows it uploaded
+    // block indices, computing and reading the scores back
     struct timing {
         int64_t build_us = 0, upload_us = 0, compute_us = 0;
-        uint32_t n_steps = 0, n_uploaded = 0;
+        uint32_t n_steps = 0;
     };
     const timing & last_timing() const { return last; }
 
@@ -96,21 +96,15 @@ private:
     struct graph {
         ggml_context * ctx = nullptr; // in `meta`: free it when done
         ggml_cgraph * gf = nullptr;
-        ggml_tensor * idx = nullptr, * qin = nullptr, * total = nullptr;
+        ggml_tensor * idx = nullptr, * total = nullptr;
         uint32_t n_steps = 0;
     };
-    // n_kept of the n_rows query rows (the first) come from `kept`, the others from the graph's input
-    graph build(size_t n_blocks, uint32_t n_rows, uint32_t n_kept);
+    graph build(size_t n_blocks, const std::vector<rows_span> & rows);
 
     ggml_backend_t backend;
     const kvmem_summary_store & store;
     size_t step_bytes;
     timing last;
-    ggml_context * kept_ctx = nullptr;   // the kept rows of a serial span, in their own buffer
-    ggml_backend_buffer_t kept_buf = nullptr;
-    ggml_tensor * kept = nullptr;
-    uint64_t kept_serial = 0;
-    uint32_t kept_n = 0;
     ggml_gallocr_t galloc = nullptr;
     std::vector<uint8_t> meta; // the graph's tensor and node structs (no data)
     std::vector<int32_t> idx_host;

@@ -35,6 +35,7 @@
 //   llama-kvmem-score.*      block summaries and scorers, the lexical (BM25) picks (pure)
 //   llama-kvmem-rows.cpp     key/query rows and token ids captured after each ubatch
 //   llama-kvmem-readback.*   a ubatch's captured tensors read back in one round (pinned on a GPU)
+//   llama-kvmem-queries.*    the graph scorer's query rows: host rings, the question kept on the device
 //   llama-kvmem-pool.*       the host pool and the copies between it and the working set
 //   llama-kvmem-memory.cpp   llama_memory_i operations (batches, seq_rm, clear, ...)
 //   llama-kvmem-setup.cpp    construction, the checks that disable tiering, the memory factory
@@ -47,6 +48,7 @@
 #include "llama-kv-cache.h"
 #include "llama-kvmem-params.h"
 #include "llama-kvmem-pool.h"
+#include "llama-kvmem-queries.h"
 #include "llama-kvmem-readback.h"
 #include "llama-kvmem-residency.h"
 #include "llama-kvmem-score.h"
@@ -207,8 +209,9 @@ private:
     ggml_backend_t own_score_backend = nullptr;  // a CPU backend for --kvmem-score-on device without a device
     std::unique_ptr<kvmem_summary_store> summaries;
     std::unique_ptr<kvmem_graph_scorer>  graph_scorer;
+    std::unique_ptr<kvmem_query_store>   query_store; // the graph scorer's query rows
     void init_summaries();
-    kvmem_score_fn score_fn(const kvmem_seq & st);
+    kvmem_score_fn score_fn(llama_seq_id seq_id, const kvmem_seq & st);
 
     kvmem_seqs seqs;
     bool app_marks_prompts = false; // the application calls set_query_span at every prompt: only those start turns
@@ -293,7 +296,6 @@ private:
     counters totals;
     // host time spent capturing and writing through after ubatches since the last SELECT line (which says it)
     int64_t capture_us = 0;
-    uint64_t turn_serials = 0; // the last turn's kvmem_turn::q_serial
     bool host_full_logged = false;
 
     mutable std::mutex snap_mutex;

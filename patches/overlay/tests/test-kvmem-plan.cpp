@@ -45,6 +45,7 @@ void ask(kvmem_seq & st) {
     st.start_prompt(false, 0);
     st.start_turn(12*16 + 4, 10*16, 10*16 + 8);
     st.turn.q = query_row();
+    st.turn.n_q = 1;
 }
 
 } // namespace
@@ -62,11 +63,10 @@ KV_SUITE(plan) {
     // during generation the newest generated tokens' rows join the question's
     st.rows.query[12*16 + 5] = query_row();
     st.rows.query[12*16 + 2] = query_row(); // before the turn's end: not a generated token
-    const kvmem_query q = kvmem_query_rows(st, DIMS, 128);
-    // no row is copied: the turn's and the newest generated token's are the sequence's own
-    KV_CHECK(q.n_turn == 1 && q.n_newest() == 1 && q.turn == st.turn.q.data());
-    KV_CHECK(q.newest[0] == st.rows.query.rbegin()->second.data());
-    KV_CHECK(q.contiguous().size() == 2*DIMS.query_row());
+    const kvmem_query q = kvmem_query_rows(st, 128);
+    KV_CHECK(q.n_turn == 1 && q.n_newest() == 1 && q.newest[0] == 12*16 + 5);
+    p = kvmem_plan_selection(GEOM, st, 6, kvmem_reason::REFRESH, mass, kvmem_host_scores(st, mass), 128, false, 0);
+    KV_CHECK(p.n_rows == 2);
 
     // inside a prompt (retrieval prefill) the picks take at most half of what the fixed blocks leave
     kvmem_seq pre = make_history(mass, 4);
