@@ -4,7 +4,6 @@
 
 #include "llama-impl.h"
 
-#include <algorithm>
 #include <stdexcept>
 
 kvmem_query_store::~kvmem_query_store() {
@@ -107,17 +106,19 @@ kvmem_graph_scorer::rows_span kvmem_query_store::turn_rows(uint32_t seq, uint32_
         owner_saved = true;
     }
     GGML_ASSERT(n <= dev_n && "a question's rows are kept by keep_turn first");
-    return { dev_turn, 0, d.query_row()*sizeof(float), (size_t) d.n_head*d.head_dim*sizeof(float), n };
+    return span(dev_turn, n);
+}
+
+kvmem_graph_scorer::rows_span kvmem_query_store::span(const ggml_tensor * t, uint32_t n) const {
+    return { t, 0, d.query_row()*sizeof(float), (size_t) d.n_head*d.head_dim*sizeof(float), n };
 }
 
 std::vector<kvmem_graph_scorer::rows_span> kvmem_query_store::largest() const {
-    const size_t row = d.query_row()*sizeof(float), layer = (size_t) d.n_head*d.head_dim*sizeof(float);
-    return { { dev_turn, 0, row, layer, n_turn }, { dev_newest, 0, row, layer, n_newest } };
+    return { span(dev_turn, n_turn), span(dev_newest, n_newest) };
 }
 
 kvmem_graph_scorer::rows_span kvmem_query_store::newest_rows(uint32_t seq, const std::vector<int32_t> & positions) {
     GGML_ASSERT(positions.size() <= n_newest);
     upload(seq, positions, dev_newest);
-    return { dev_newest, 0, d.query_row()*sizeof(float), (size_t) d.n_head*d.head_dim*sizeof(float),
-        (uint32_t) positions.size() };
+    return span(dev_newest, (uint32_t) positions.size());
 }

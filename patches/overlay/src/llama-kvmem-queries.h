@@ -65,6 +65,8 @@ private:
 
     float * ring_at(uint32_t seq, uint32_t slot) { return host + ((size_t) seq*(n_ring + n_turn) + slot)*d.query_row(); }
     float * turn_copy(uint32_t seq) { return ring_at(seq, n_ring); }
+    // the first n rows of a [query_row, rows] device tensor, as the graph scorer reads them
+    kvmem_graph_scorer::rows_span span(const ggml_tensor * t, uint32_t n) const;
     // the owner's rows into its host copy (before another turn replaces them)
     void save_owner();
     // upload the ring's rows of `positions` of seq to rows r0.. of t (runs of consecutive slots, one copy each)
