@@ -28,6 +28,8 @@ run)
   . packaging/device/setup-env.sh
   export PATH=/tmp/site/bin:$PATH
   { nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv; nproc; command -v ccache; } | tee "$OUT/host.txt"
+  # the PCIe ceiling of the stage-ins (the image's PyTorch, before PYTHONPATH points at our site)
+  env -u PYTHONPATH python3 packaging/device/h2d_probe.py 2>&1 | tee -a "$OUT/host.txt"
   for flavour in "" ${UPSTREAM:+--upstream}; do
     start=$(date +%s)
     kvmem build --sm 90 -j "$(nproc)" --fa-quants default --no-ui $flavour 2>&1 | tail -3
