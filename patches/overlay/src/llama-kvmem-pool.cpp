@@ -144,8 +144,8 @@ std::string kvmem_copier::path() const {
     if (!stager) {
         return "per run of cells";
     }
-    return format("staged on %s (%u blocks, %.0f MiB)", ggml_backend_name(layer_be[0] ? layer_be[0] : own_cpu),
-            stager->capacity(), stager->staging_bytes()/1024.0/1024.0);
+    return format("staged on %s (%u blocks, %.0f MiB%s)", ggml_backend_name(layer_be[0] ? layer_be[0] : own_cpu),
+            stager->capacity(), stager->staging_bytes()/1024.0/1024.0, stager->overlaps() ? ", copies on their own stream" : "");
 }
 
 bool kvmem_copier::converts(bool is_v) const {

@@ -11,8 +11,17 @@
 static constexpr size_t KVMEM_STAGE_INDEX_BLOCKS = 1024;
 
 kvmem_stager::~kvmem_stager() {
-    if (in_flight) {
-        ggml_backend_synchronize(be); // rounds still read the staging buffer and the index arena
+    wait_stream(); // rounds still read the staging buffer and the index arena
+    for (int h = 0; h < 2; ++h) {
+        if (used_by_graph[h]) {
+            ggml_backend_event_free(used_by_graph[h]);
+        }
+        if (used_by_copy[h]) {
+            ggml_backend_event_free(used_by_copy[h]);
+        }
+    }
+    if (be_copy && be_copy != be) {
+        ggml_backend_free(be_copy);
     }
     if (galloc) {
         ggml_gallocr_free(galloc);
@@ -40,8 +49,9 @@ void kvmem_stager::init(ggml_backend_t be_in, const std::vector<kvmem_layer_rows
         off_v.push_back(slot_bytes + (size_t) block*l.hrow_k);
         slot_bytes += (size_t) block*(l.hrow_k + l.hrow_v);
     }
-    cap = (uint32_t) std::max<size_t>(1, max_bytes/slot_bytes);
+    cap = (uint32_t) std::max<size_t>(1, max_bytes/2/slot_bytes);
 
+    init_copy_stream();
     ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(be);
     alloc_tensors(buft);
     alloc_index_arena();
@@ -53,8 +63,51 @@ void kvmem_stager::init(ggml_backend_t be_in, const std::vector<kvmem_layer_rows
         ggml_init_params params = { meta.size(), meta.data(), /*no_alloc*/ true };
         ggml_context * g = ggml_init(params);
         ggml_tensor * cells = nullptr;
-        GGML_ASSERT(ggml_gallocr_reserve(galloc, build_graph(g, d, cap, &cells)) && "kvmem: cannot reserve the staging graph");
+        GGML_ASSERT(ggml_gallocr_reserve(galloc, build_graph(g, d, 0, cap, &cells)) && "kvmem: cannot reserve the staging graph");
         ggml_free(g);
+    }
+}
+
+void kvmem_stager::init_copy_stream() {
+    be_copy = be;
+    ggml_backend_dev_t dev = ggml_backend_get_device(be);
+    if (!dev || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+        return; // the CPU backend copies at once: nothing to overlap
+    }
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(dev, &props);
+    if (!props.caps.events) {
+        return;
+    }
+    for (int h = 0; h < 2; ++h) {
+        used_by_graph[h] = ggml_backend_event_new(dev);
+        used_by_copy[h]  = ggml_backend_event_new(dev);
+    }
+    const bool have_events = used_by_graph[0] && used_by_graph[1] && used_by_copy[0] && used_by_copy[1];
+    ggml_backend_t copy = have_events ? ggml_backend_dev_init(dev, nullptr) : nullptr;
+    if (copy) {
+        be_copy = copy;
+        return;
+    }
+    for (int h = 0; h < 2; ++h) { // one stream after all: no events needed
+        for (ggml_backend_event_t * ev : { &used_by_graph[h], &used_by_copy[h] }) {
+            if (*ev) {
+                ggml_backend_event_free(*ev);
+                *ev = nullptr;
+            }
+        }
+    }
+}
+
+void kvmem_stager::wait_for(ggml_backend_t waiter, ggml_backend_event_t ev) const {
+    if (be_copy != be) {
+        ggml_backend_event_wait(waiter, ev); // an event not yet recorded has passed
+    }
+}
+
+void kvmem_stager::record(ggml_backend_event_t ev, ggml_backend_t stream) const {
+    if (be_copy != be) {
+        ggml_backend_event_record(ev, stream);
     }
 }
 
@@ -63,7 +116,7 @@ void kvmem_stager::alloc_tensors(ggml_backend_buffer_type_t buft) {
     // over the same bytes); the constant row indices follow it
     ggml_init_params params = { 4*ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
     ctx = ggml_init(params);
-    const size_t total = (size_t) cap*slot_bytes;
+    const size_t total = (size_t) 2*cap*slot_bytes;
     auto make_base = [&](ggml_type type, const char * name) {
         const int64_t n_units = (int64_t) ((total + ggml_type_size(type) - 1)/ggml_type_size(type));
         ggml_tensor * t = ggml_new_tensor_1d(ctx, type, n_units*ggml_blck_size(type));
@@ -130,22 +183,25 @@ void kvmem_stager::queue(direction d, queued item) {
 
 void kvmem_stager::to_device(const uint8_t * host, const std::vector<uint32_t> & idx) {
     queue(direction::to_device, { host, nullptr, idx });
-    // on the stager's own stream, so the graph that reads it comes after it
-    ggml_backend_tensor_set_async(be, base_k, host, (q.size() - 1)*slot_bytes, slot_bytes);
+    if (q.size() == 1) {
+        wait_for(be_copy, used_by_graph[half]); // the graph that read this half two rounds ago is done with it
+    }
+    // the round's graph waits for its copies (run_graph)
+    ggml_backend_tensor_set_async(be_copy, base_k, host, slot_offset(half, q.size() - 1), slot_bytes);
 }
 
 void kvmem_stager::to_host(uint8_t * host, const std::vector<uint32_t> & idx) {
     queue(direction::to_host, { nullptr, host, idx });
 }
 
-ggml_tensor * kvmem_stager::slot_rows(ggml_context * g, uint32_t lt, bool is_v, int64_t n) const {
+ggml_tensor * kvmem_stager::slot_rows(ggml_context * g, int h, uint32_t lt, bool is_v, int64_t n) const {
     const kvmem_layer_rows & l = layers[lt];
     ggml_tensor * t = is_v ? l.v : l.k;
     return ggml_view_3d(g, is_v ? base_v : base_k, t->ne[0], block, n, is_v ? l.hrow_v : l.hrow_k,
-            slot_bytes, is_v ? off_v[lt] : off_k[lt]);
+            slot_bytes, slot_offset(h, 0) + (is_v ? off_v[lt] : off_k[lt]));
 }
 
-ggml_cgraph * kvmem_stager::build_graph(ggml_context * g, direction d, int64_t n, ggml_tensor ** cells) const {
+ggml_cgraph * kvmem_stager::build_graph(ggml_context * g, direction d, int h, int64_t n, ggml_tensor ** cells) const {
     const bool in = d == direction::to_device;
     ggml_cgraph * gf = ggml_new_graph_custom(g, graph_nodes(), false);
     // in: rows t of every staged slot (get_rows) into the cells (set_rows); out: the cells (get_rows) into rows t of
@@ -162,11 +218,11 @@ ggml_cgraph * kvmem_stager::build_graph(ggml_context * g, direction d, int64_t n
             ggml_tensor * ws = ggml_view_2d(g, t, t->ne[0], t->ne[1], t->nb[1], 0);
             ggml_tensor * out = nullptr;
             if (in) {
-                ggml_tensor * f = ggml_get_rows(g, slot_rows(g, lt, is_v, n), rows); // [n_per_row, block, n] f32
+                ggml_tensor * f = ggml_get_rows(g, slot_rows(g, h, lt, is_v, n), rows); // [n_per_row, block, n] f32
                 out = ggml_set_rows(g, ws, ggml_reshape_2d(g, f, t->ne[0], n*block), *cells);
             } else {
                 ggml_tensor * f = ggml_get_rows(g, ws, *cells); // [n_per_row, n*block] f32
-                out = ggml_set_rows(g, slot_rows(g, lt, is_v, n), ggml_reshape_3d(g, f, t->ne[0], block, n), rows);
+                out = ggml_set_rows(g, slot_rows(g, h, lt, is_v, n), ggml_reshape_3d(g, f, t->ne[0], block, n), rows);
             }
             ggml_build_forward_expand(gf, out);
         }
@@ -190,7 +246,7 @@ void kvmem_stager::run_graph() {
     ggml_init_params params = { meta.size(), meta.data(), /*no_alloc*/ true };
     ggml_context * g = ggml_init(params);
     ggml_tensor * cells = nullptr;
-    ggml_cgraph * gf = build_graph(g, dir, n, &cells);
+    ggml_cgraph * gf = build_graph(g, dir, half, n, &cells);
     GGML_ASSERT(ggml_gallocr_alloc_graph(galloc, gf) && "kvmem: cannot allocate the staging graph");
 
     uint8_t * room = index_room(ggml_nbytes(cells));
@@ -204,9 +260,14 @@ void kvmem_stager::run_graph() {
             }
         }
     }
-    // ordered on the stager's stream after this round's copies and before the next round's: no host wait
+    // in: after this round's copies into the half; out: after the last copies out of it (no host wait)
+    if (in) {
+        record(used_by_copy[half], be_copy);
+    }
+    wait_for(be, used_by_copy[half]);
     ggml_backend_tensor_set_async(be, cells, room, 0, ggml_nbytes(cells));
     GGML_ASSERT(ggml_backend_graph_compute_async(be, gf) == GGML_STATUS_SUCCESS);
+    record(used_by_graph[half], be);
     ggml_free(g);
 }
 
@@ -216,18 +277,24 @@ void kvmem_stager::submit() {
     }
     run_graph();
     if (dir == direction::to_host) {
+        wait_for(be_copy, used_by_graph[half]); // the graph has written the half
         for (size_t j = 0; j < q.size(); ++j) {
-            ggml_backend_tensor_get_async(be, base_k, q[j].dst, j*slot_bytes, slot_bytes);
+            ggml_backend_tensor_get_async(be_copy, base_k, q[j].dst, slot_offset(half, j), slot_bytes);
         }
+        record(used_by_copy[half], be_copy);
     }
     q.clear();
     dir = direction::none;
+    half ^= 1;
     in_flight = true;
 }
 
 void kvmem_stager::wait_stream() {
     if (in_flight) {
         ggml_backend_synchronize(be);
+        if (be_copy != be) {
+            ggml_backend_synchronize(be_copy);
+        }
         in_flight = false;
     }
     idx_used = 0;

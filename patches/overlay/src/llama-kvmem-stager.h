@@ -7,10 +7,12 @@
 // working set's type (set_rows), for every tiered layer and for all blocks staged since the last flush at once. A
 // write-through is the reverse: get_rows gathers the block's cells, set_rows writes them into a staging slot in the
 // pool's type (quantizing there), then one backend->host copy per block. Nothing is converted on the host, and
-// there is no host wait between blocks or between rounds of a full staging buffer (only flush() waits): the graphs'
-// row indices are constant and live on the backend, and each round's cell indices are uploaded from pinned host
-// memory (an upload from pageable memory would wait for the stream). The same graphs run on the CPU backend (CI)
-// and on CUDA.
+// there is no host wait between blocks or between rounds (only flush() waits): the graphs' row indices are constant
+// and live on the backend, and each round's cell indices are uploaded from pinned host memory (an upload from
+// pageable memory would wait for the stream). The staging buffer's two halves take turns: where the device has
+// events, the copies run on a second stream of their own, so that one half's copies overlap the other half's
+// graph (measured on the H200: copies and graphs on one stream moved 37.7 GB/s where pinned copies alone reach 54).
+// The same graphs run on the CPU backend (CI, one stream) and on CUDA.
 
 #include "llama-kvmem-pool.h"
 
@@ -30,7 +32,7 @@ public:
     ~kvmem_stager();
 
     // every layer's K and V tensors live on backend be; a host slot is laid out as kvmem_host_pool's ([layer][K rows,
-    // V rows] in the pool's types); up to max_bytes of staging on be (at least one slot)
+    // V rows] in the pool's types); up to max_bytes of staging on be (at least one slot per half)
     void init(ggml_backend_t be, const std::vector<kvmem_layer_rows> & layers, uint32_t block, size_t max_bytes);
 
     // host slot -> cells idx (idx[t] receives token t); done by the next flush() at the latest
@@ -41,7 +43,8 @@ public:
     void flush();
 
     size_t staging_bytes() const;
-    uint32_t capacity() const { return cap; }
+    uint32_t capacity() const { return 2*cap; } // blocks of both halves
+    bool overlaps() const { return be_copy != be; } // copies on a stream of their own
 
 private:
     enum class direction { none, to_device, to_host };
@@ -56,13 +59,20 @@ private:
     std::vector<size_t> off_k, off_v; // of each layer's K and V rows within a slot
     uint32_t block = 0;
     size_t slot_bytes = 0;
-    uint32_t cap = 0;
+    uint32_t cap = 0;                      // blocks per round: the slots of one half
+
+    // the copies' stream (be itself where the device has no events) and, per half, the last point each stream used
+    // it at: a stream waits for the other's event before it writes a half the other may still read or write
+    ggml_backend_t be_copy = nullptr;
+    ggml_backend_event_t used_by_graph[2] = { nullptr, nullptr };
+    ggml_backend_event_t used_by_copy[2]  = { nullptr, nullptr };
+    int half = 0;                          // the half this round fills
 
     ggml_context * ctx = nullptr;          // the staging tensors (one view base per type, all over one buffer)
     ggml_backend_buffer_t buf = nullptr;
     ggml_tensor * base_k = nullptr;
     ggml_tensor * base_v = nullptr;
-    ggml_tensor * slot_tok = nullptr;      // i32 [block, cap]: token t of every staging slot (stage-in's get_rows)
+    ggml_tensor * slot_tok = nullptr;      // i32 [block, cap]: token t of every slot of a half (stage-in's get_rows)
     ggml_tensor * block_tok = nullptr;     // i64 [block]: token t of a slot (write-through's set_rows)
     ggml_gallocr_t galloc = nullptr;
     std::vector<uint8_t> meta;             // the graph's tensor and node structs
@@ -80,13 +90,18 @@ private:
     bool in_flight = false;                // rounds submitted since the last flush()
 
     void queue(direction d, queued item);
-    // runs what is queued without waiting: a full staging buffer's round, in stream order with the next one
+    // runs what is queued without waiting: a full half's round, in stream order with the next one (in the other half)
     void submit();
-    // a view of the first n slots' K (or V) rows of layer lt: [n_per_row, block, n] in the pool's type
-    ggml_tensor * slot_rows(ggml_context * g, uint32_t lt, bool is_v, int64_t n) const;
+    // a view of half h's first n slots' K (or V) rows of layer lt: [n_per_row, block, n] in the pool's type
+    ggml_tensor * slot_rows(ggml_context * g, int h, uint32_t lt, bool is_v, int64_t n) const;
+    size_t slot_offset(int h, size_t j) const { return ((size_t) h*cap + j)*slot_bytes; }
     size_t graph_nodes() const { return layers.size()*2*8 + 16; }
-    // the graph moving n blocks in direction d; *cells is its input of the blocks' cell indices
-    ggml_cgraph * build_graph(ggml_context * g, direction d, int64_t n, ggml_tensor ** cells) const;
+    // the graph moving n blocks of half h in direction d; *cells is its input of the blocks' cell indices
+    ggml_cgraph * build_graph(ggml_context * g, direction d, int h, int64_t n, ggml_tensor ** cells) const;
+    void init_copy_stream();
+    // stream `waiter` holds until `ev` (recorded by the other stream) has passed; nothing with one stream
+    void wait_for(ggml_backend_t waiter, ggml_backend_event_t ev) const;
+    void record(ggml_backend_event_t ev, ggml_backend_t stream) const;
     void alloc_tensors(ggml_backend_buffer_type_t buft);
     void alloc_index_arena();
     // room for the next round's cell indices in the arena (waits for the stream when the arena is used up)
