@@ -120,6 +120,28 @@ def test_refresh_lets_a_generation_run_4x_past_the_reserve(llama_server, smollm2
     assert len(sel) >= 1 + 256 // 32 - 1, len(sel)  # the turn + a refresh every 32 generated tokens
 
 
+def test_generation_skips_query_rows_while_the_history_fits_never_before_a_real_refresh(llama_server, smollm2) -> None:
+    """A short prompt and a long answer: while the history stays resident for as long as a row would be read,
+    refreshes are no-ops and no query rows are captured; capture resumes early enough that every real refresh
+    reads as many query rows as the others (none short of its newest rows)."""
+    prompt = haystack_prompt(12, 0.5, "Falcon", "5550123")
+    args = ["-c", "8192", "-np", "1", "--kvmem-budget", "1024", "--kvmem-refresh", "32", *SMALL]
+    with llama_server(smollm2, args) as srv:
+        out = complete(srv.url, prompt, n_predict=1400, ignore_eos=True)
+        log = srv.log()
+    assert out["tokens_predicted"] == 1400
+    sel = kvmem_log.selects(log)
+    assert sel[0]["reason"] == "turn" and sel[0]["captured_q"] > 0  # the prompt's end: the question's rows
+    refreshes = [s for s in sel[1:] if s["reason"] == "refresh"]
+    fitting = [s for s in refreshes if s.get("fits") == 1]
+    real = [s for s in refreshes if s.get("fits") != 1]
+    assert fitting and real, [(s["pos"], s.get("fits"), s["captured_q"]) for s in refreshes]
+    assert fitting[0]["captured_q"] == 0, fitting[0]  # far under the budget: nothing captured
+    assert fitting[-1]["captured_q"] > 0, fitting[-1]  # capture resumed before the history outgrew the share
+    assert all(s["captured_q"] > 0 for s in real), real
+    assert len({s["query_tokens"] for s in real}) == 1, [s["query_tokens"] for s in real]
+
+
 def test_refresh_is_on_by_default_and_documented(cpu_engine) -> None:
     server = str(cpu_engine.binary("llama-server"))
     text = " ".join(subprocess.run([server, "--help"], capture_output=True, text=True, timeout=60).stdout.split())

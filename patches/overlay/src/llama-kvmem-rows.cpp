@@ -43,14 +43,25 @@ bool llama_kvmem_cache::wants_query_rows(const llama_ubatch & ubatch) const {
     if (kp.prefill == LLAMA_KVMEM_PREFILL_RETRIEVAL) {
         return true;
     }
-    // a token that wants them is enough (the answer only grows with the position): the newest tokens first
+    // a token that wants them is enough (the answer only grows with the position): the newest tokens first. A row
+    // is read by selections within the ring's reach of its position; while the history fits the working set until
+    // then, those selections are no-ops (the capture of ~400 KB per decoded token on a 27B model is skipped).
+    const uint32_t reach = kvmem_kept_query_rows(kp.query_tokens) - 1;
     for (uint32_t i = ubatch.n_tokens; i-- > 0; ) {
-        const kvmem_seq * st = find_seq(ubatch.seq_id[i][0]);
-        if (!st || st->wants_query_rows(ubatch.pos[i], kvmem_kept_query_rows(kp.query_tokens) - 1)) {
+        const llama_seq_id s = ubatch.seq_id[i][0];
+        const kvmem_seq * st = find_seq(s);
+        if (!st || (st->wants_query_rows(ubatch.pos[i], reach) && !fits_through(s, *st, ubatch.pos[i] + (llama_pos) reach))) {
             return true;
         }
     }
     return false;
+}
+
+bool llama_kvmem_cache::fits_through(llama_seq_id seq_id, const kvmem_seq & st, llama_pos until) const {
+    // by `until` the history has at most until/B + 1 blocks; one block under the share keeps the partial tail
+    // (the no-op test of a selection, log_fitting)
+    return st.phase() == kvmem_phase::GEN && (uint32_t) (until/kp.block) + 1 < share_blocks(seq_id) &&
+        st.n_resident() == st.blocks.size();
 }
 
 void llama_kvmem_cache::fetch_captures(ggml_backend_sched_t sched, const llm_graph_result * res, uint32_t n_tokens,
@@ -156,6 +167,7 @@ void llama_kvmem_cache::capture_queries(const llama_ubatch & ubatch) {
         return;
     }
     std::set<llama_seq_id> touched;
+    captured_q += n_cap_q;
     for (uint32_t j = 0; j < n_cap_q; ++j) {
         const uint32_t i = nt - n_cap_q + j;
         const llama_seq_id s = ubatch.seq_id[i][0];

@@ -252,6 +252,9 @@ private:
     void fetch_captures(ggml_backend_sched_t sched, const llm_graph_result * res, uint32_t n_tokens, bool keys,
             bool queries);
     bool wants_query_rows(const llama_ubatch & ubatch) const; // any of its sequences' (kvmem_seq::wants_query_rows)
+    // a generating sequence whose whole history stays resident through position `until`: no re-selection before
+    // then does anything, so the query rows it would read need not be captured
+    bool fits_through(llama_seq_id seq_id, const kvmem_seq & st, llama_pos until) const;
     void capture_keys(const llama_ubatch & ubatch);
     void capture_queries(const llama_ubatch & ubatch);
     void capture_tokens(const llama_ubatch & ubatch);
@@ -294,8 +297,10 @@ private:
         double  last_ms       = 0.0;
     };
     counters totals;
-    // host time spent capturing and writing through after ubatches since the last SELECT line (which says it)
+    // host time spent capturing and writing through after ubatches, and query rows captured, since the last SELECT
+    // line (which says both)
     int64_t capture_us = 0;
+    uint32_t captured_q = 0;
     bool host_full_logged = false;
 
     mutable std::mutex snap_mutex;
