@@ -287,6 +287,7 @@ void llama_kvmem_cache::init_summaries() {
     query_store->init(score_backend, dims, n_seq_cap, kvmem_kept_query_rows(kp.query_tokens), kp.query_tokens, n_newest);
     graph_scorer = std::make_unique<kvmem_graph_scorer>(score_backend, *summaries);
     graph_scorer->reserve(query_store->largest()); // a re-selection's question and newest rows
+    graph_scorer->warm_up(query_store->largest());
     LLAMA_LOG_INFO("%s: block summaries %.1f MiB and query rows %.1f MiB on %s (%.1f MiB of host memory), scoring there "
             "(compute buffer %.1f MiB)\n", __func__, summaries->bytes()/1024.0/1024.0, query_store->device_bytes()/1024.0/1024.0,
             ggml_backend_name(score_backend), query_store->host_bytes()/1024.0/1024.0, graph_scorer->compute_bytes()/1024.0/1024.0);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <stdexcept>
 
 kvmem_summary_store::~kvmem_summary_store() {
@@ -126,6 +127,14 @@ void kvmem_graph_scorer::reserve(const std::vector<rows_span> & largest) {
     graph g = build(store.n_slots(), largest);
     GGML_ASSERT(ggml_gallocr_reserve(galloc, g.gf) && "kvmem: cannot allocate the scoring graph");
     ggml_free(g.ctx);
+}
+
+void kvmem_graph_scorer::warm_up(const std::vector<rows_span> & largest) {
+    std::vector<uint32_t> every(store.n_slots());
+    std::iota(every.begin(), every.end(), 0u);
+    std::vector<float> thrown_away;
+    score(every, largest, thrown_away);
+    last = {};
 }
 
 size_t kvmem_graph_scorer::compute_bytes() const {

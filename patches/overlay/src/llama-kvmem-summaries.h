@@ -82,6 +82,9 @@ public:
     // take the backend memory of the largest selection now (every slot, these rows): the compute buffer is taken
     // once instead of growing with the history (a reallocation frees and takes device memory, and waits)
     void reserve(const std::vector<rows_span> & largest);
+    // run that largest graph once, its scores thrown away: a device's first run (its math library, its kernels) cost
+    // 81 ms on the H200, which the first turn of a new server would otherwise wait for
+    void warm_up(const std::vector<rows_span> & largest);
     size_t compute_bytes() const;
 
     // where the last score() spent its time (host microseconds): building and allocating the graph, uploading the
