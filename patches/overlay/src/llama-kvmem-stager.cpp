@@ -57,10 +57,12 @@ void kvmem_stager::init(ggml_backend_t be_in, const std::vector<kvmem_layer_rows
     alloc_index_arena();
     galloc = ggml_gallocr_new(buft);
     const size_t n_nodes = graph_nodes();
-    meta.resize(ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false));
+    for (auto & m : meta) {
+        m.resize(ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false));
+    }
     // the largest round of each direction, planned now: no allocation while a selection stages
     for (const direction d : { direction::to_device, direction::to_host }) {
-        ggml_init_params params = { meta.size(), meta.data(), /*no_alloc*/ true };
+        ggml_init_params params = { meta[0].size(), meta[0].data(), /*no_alloc*/ true };
         ggml_context * g = ggml_init(params);
         ggml_tensor * cells = nullptr;
         GGML_ASSERT(ggml_gallocr_reserve(galloc, build_graph(g, d, 0, cap, &cells)) && "kvmem: cannot reserve the staging graph");
@@ -243,7 +245,7 @@ uint8_t * kvmem_stager::index_room(size_t bytes) {
 void kvmem_stager::run_graph() {
     const int64_t n = (int64_t) q.size();
     const bool in = dir == direction::to_device;
-    ggml_init_params params = { meta.size(), meta.data(), /*no_alloc*/ true };
+    ggml_init_params params = { meta[half].size(), meta[half].data(), /*no_alloc*/ true };
     ggml_context * g = ggml_init(params);
     ggml_tensor * cells = nullptr;
     ggml_cgraph * gf = build_graph(g, dir, half, n, &cells);

@@ -75,7 +75,9 @@ private:
     ggml_tensor * slot_tok = nullptr;      // i32 [block, cap]: token t of every slot of a half (stage-in's get_rows)
     ggml_tensor * block_tok = nullptr;     // i64 [block]: token t of a slot (write-through's set_rows)
     ggml_gallocr_t galloc = nullptr;
-    std::vector<uint8_t> meta;             // the graph's tensor and node structs
+    // each half's graph's tensor and node structs: CUDA keys its cached graphs by the first node's address, so each
+    // half keeps a graph of its own (one shared address would see its pointers change every round and never replay)
+    std::vector<uint8_t> meta[2];
 
     // the rounds' cell indices until they are uploaded: pinned where the backend's device has host memory
     ggml_backend_buffer_t idx_buf = nullptr;
