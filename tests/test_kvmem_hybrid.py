@@ -142,6 +142,23 @@ def test_generation_skips_query_rows_while_the_history_fits_never_before_a_real_
     assert len({s["query_tokens"] for s in real}) == 1, [s["query_tokens"] for s in real]
 
 
+def test_the_same_request_again_undoes_the_refreshes_cell_for_cell_and_answers_the_same(llama_server, smollm2) -> None:
+    """A long answer with refreshes, then the same request again: the server keeps the prompt and cuts the
+    answer, which undoes every refresh of it. The cut answer's own cells are free by then, so every block a refresh
+    evicted goes back into its cells (none is left out) and the answer is the same again."""
+    prompt = haystack_prompt(300, 0.5, "Falcon", "5550123")
+    args = ["-c", "8192", "-np", "1", "--kvmem-budget", "768", "--kvmem-refresh", "32", *SMALL]
+    with llama_server(smollm2, args) as srv:
+        first = complete(srv.url, prompt, n_predict=384, ignore_eos=True, cache_prompt=True)
+        again = complete(srv.url, prompt, n_predict=384, ignore_eos=True, cache_prompt=True)
+        log = srv.log()
+    refreshes = [s for s in kvmem_log.selects(log) if s["reason"] == "refresh" and s.get("fits") != 1]
+    assert sum(s["staged_in"] for s in refreshes) > 0, refreshes  # the refreshes moved blocks: there is work to undo
+    assert again["timings"]["prompt_n"] < 16  # the prompt was kept, the answer cut
+    assert "could not put block" not in log, [line for line in log.splitlines() if "could not put" in line][:3]
+    assert again["content"] == first["content"]
+
+
 def test_refresh_is_on_by_default_and_documented(cpu_engine) -> None:
     server = str(cpu_engine.binary("llama-server"))
     text = " ".join(subprocess.run([server, "--help"], capture_output=True, text=True, timeout=60).stdout.split())

@@ -249,13 +249,18 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
         }
         return ok;
     }
-    // truncation [p0, inf): re-selections at or after p0 are undone (a rejected draft)
+    // truncation [p0, inf): re-selections at or after p0 are undone (a rejected draft, or the same request again).
+    // The blocks wholly past the cut go first: the undo then finds free the cells they held (a long answer cut off
+    // held them), so every block a re-selection evicted goes back into its own cells
+    const int32_t b_past = (p0 + B - 1)/B;
+    const bool ok_past = llama_kv_cache::seq_rm(seq_id, b_past*B, POS_END);
+    drop_host_blocks(seq_id, b_past);
     undo_events(seq_id, *st, p0);
     if (st->turn.pos >= 0 && p0 < st->turn.pos) {
         st->cut_prompt(); // the prompt itself is cut: what follows is a new prompt
     }
-    bring_back_last(seq_id, *st, p0);
-    const bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1);
+    bring_back_last(seq_id, *st, p0); // the cut block, whose kept part the next batch follows
+    const bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1) && ok_past;
     drop_host_blocks(seq_id, p0/B);
     // the cut block's summary is rebuilt from the kept key rows when the block completes again
     forget_from(*st, p0, POS_END);
