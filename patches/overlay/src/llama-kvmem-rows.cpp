@@ -33,6 +33,9 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
     for (uint32_t s = 0; s < ubatch.n_seqs_unq; ++s) {
         write_through(ubatch.seq_id_unq[s]);
     }
+    if (summaries) {
+        summaries->flush(); // this ubatch's summaries are on the device
+    }
     capture_us += ggml_time_us() - t0;
     publish();
 }
@@ -198,31 +201,29 @@ void llama_kvmem_cache::build_summary(kvmem_seq & st, int32_t b, const kvmem_key
     // a block is summarized when its last token has been computed; rows missing at its start are those of a block
     // cut by a truncation deep in the history, whose old summary fills in for the tokens that did not change
     const int32_t B = kp.block;
-    const size_t per = (size_t) dims.n_head_kv*dims.head_dim;
     if (!key_row((b + 1)*B - 1, 0)) {
         return; // not complete (yet)
     }
     const auto stale = st.rows.stale.find(b);
-    std::vector<float> rows((size_t) B*dims.key_row());
-    std::vector<char> known(B, 1);
+    // the rows are read where they were captured (a 27B model's block is 8 MB of them: no copy)
+    std::vector<const float *> rows((size_t) B*dims.n_lt, nullptr);
+    bool complete = true;
     for (int32_t t = 0; t < B; ++t) {
         if (!key_row(b*B + t, 0)) {
-            known[t] = 0;
+            complete = false;
             continue;
         }
         for (uint32_t lt = 0; lt < dims.n_lt; ++lt) {
-            std::memcpy(rows.data() + ((size_t) t*dims.n_lt + lt)*per, key_row(b*B + t, lt), per*sizeof(float));
+            rows[(size_t) t*dims.n_lt + lt] = key_row(b*B + t, lt);
         }
     }
-    const bool complete = std::all_of(known.begin(), known.end(), [](char k) { return k != 0; });
     if (!complete && stale == st.rows.stale.end()) {
         return; // rows missing for another reason (a restored state): no summary rather than a wrong one
     }
     auto & out = st.rows.summary[b];
     out.resize(scorer->summary_size());
     const bool use_old = !complete && stale->second.first.size() == out.size();
-    scorer->summarize([&](uint32_t t) { return known[t] ? rows.data() + (size_t) t*dims.key_row() : nullptr; }, out.data(),
-            use_old ? stale->second.first.data() : nullptr, use_old ? stale->second.second : 0);
+    scorer->summarize(rows, out.data(), use_old ? stale->second.first.data() : nullptr, use_old ? stale->second.second : 0);
     if (stale != st.rows.stale.end()) {
         st.rows.stale.erase(stale);
     }

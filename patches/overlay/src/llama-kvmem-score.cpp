@@ -62,8 +62,16 @@ size_t kvmem_scorer::summary_size() const {
     }
 }
 
-void kvmem_scorer::summarize(const std::function<const float * (uint32_t t)> & key_row, float * out,
-        const float * old, uint32_t n_same) const {
+void kvmem_scorer::summarize(const float * keys, float * out) const {
+    std::vector<const float *> rows((size_t) d.block*d.n_lt);
+    for (size_t i = 0; i < rows.size(); ++i) {
+        rows[i] = keys + i*d.n_head_kv*d.head_dim; // token t's layer lt at t*n_lt + lt
+    }
+    summarize(rows, out);
+}
+
+void kvmem_scorer::summarize(const std::vector<const float *> & rows, float * out, const float * old, uint32_t n_same) const {
+    GGML_ASSERT(rows.size() == (size_t) d.block*d.n_lt);
     const uint32_t hd = d.head_dim;
     const uint32_t n_pages = (meth == LLAMA_KVMEM_METHOD_QUEST || meth == LLAMA_KVMEM_METHOD_MEANKEY) ? 1 : d.block/sub;
     const uint32_t page = d.block/n_pages;
@@ -85,12 +93,12 @@ void kvmem_scorer::summarize(const std::function<const float * (uint32_t t)> & k
                 }
                 uint32_t n = 0;
                 for (uint32_t t = p*page; t < (p + 1)*page; ++t) {
-                    const float * row = key_row(t);
+                    const float * row = rows[(size_t) t*d.n_lt + lt];
                     if (!row) {
                         continue; // cut off by a truncation: the page is summarized from the tokens that are known
                     }
                     n++;
-                    const float * k = row + ((size_t) lt*d.n_head_kv + hk)*hd;
+                    const float * k = row + (size_t) hk*hd;
                     for (uint32_t i = 0; i < hd; ++i) {
                         if (bounds) {
                             op[i]      = std::max(op[i], k[i]);

@@ -46,11 +46,14 @@ public:
     // floats of one block's summary (0: the method needs none)
     size_t summary_size() const;
 
-    // key_row(t): the key row of the block's token t in [0, block), nullptr when it is not known (a block cut
-    // by a truncation); then the chunks of `old` (a summary of the block before the cut) that lie within its
-    // first n_same tokens are kept, and the others are summarized from the rows that are known
-    void summarize(const std::function<const float * (uint32_t t)> & key_row, float * out,
-            const float * old = nullptr, uint32_t n_same = 0) const;
+    // rows[t*n_lt + lt]: layer lt's key row ([kv head][head_dim]) of the block's token t in [0, block), read where
+    // it was captured; nullptr when the token is not known (a block cut by a truncation): then the chunks of `old`
+    // (a summary of the block before the cut) that lie within its first n_same tokens are kept, and the others are
+    // summarized from the rows that are known
+    void summarize(const std::vector<const float *> & rows, float * out, const float * old = nullptr,
+            uint32_t n_same = 0) const;
+    // a whole block from rows one token after another ([t][layer][kv head][head_dim])
+    void summarize(const float * keys, float * out) const;
 
     // scores of the blocks whose summaries are given (nullptr: no summary, scored -inf); only the
     // candidates are ranked, but methods that normalize attention count every block (the sink and the

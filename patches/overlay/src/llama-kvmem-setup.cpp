@@ -280,7 +280,7 @@ void llama_kvmem_cache::init_summaries() {
         return;
     }
     summaries = std::make_unique<kvmem_summary_store>();
-    summaries->init(ggml_backend_get_default_buffer_type(score_backend), dims,
+    summaries->init(score_backend, dims,
             (uint32_t) (scorer->summary_size()/dims.key_row()), pool.capacity());
     query_store = std::make_unique<kvmem_query_store>();
     const uint32_t n_newest = std::max(kvmem_newest_query_rows(kp.query_tokens), kvmem_prompt_query_rows(kp.query_tokens));

@@ -10,7 +10,13 @@
 #include <numeric>
 #include <stdexcept>
 
+// the f16 summaries of this many blocks are put before the store waits for their copies
+static constexpr size_t KVMEM_SUMMARY_PUT_BLOCKS = 32;
+
 kvmem_summary_store::~kvmem_summary_store() {
+    if (put_buf) {
+        ggml_backend_buffer_free(put_buf); // the cache flushes after every ubatch's puts: none is in flight
+    }
     if (buf) {
         ggml_backend_buffer_free(buf);
     }
@@ -19,8 +25,10 @@ kvmem_summary_store::~kvmem_summary_store() {
     }
 }
 
-void kvmem_summary_store::init(ggml_backend_buffer_type_t buft, const kvmem_dims & dims, uint32_t n_chunks, uint32_t n_slots) {
-    GGML_ASSERT(ctx == nullptr && n_chunks > 0 && n_slots > 0);
+void kvmem_summary_store::init(ggml_backend_t backend_in, const kvmem_dims & dims, uint32_t n_chunks, uint32_t n_slots) {
+    GGML_ASSERT(ctx == nullptr && backend_in && n_chunks > 0 && n_slots > 0);
+    backend = backend_in;
+    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(backend);
     d = dims;
     n_ch = n_chunks;
     slots = n_slots;
@@ -37,6 +45,16 @@ void kvmem_summary_store::init(ggml_backend_buffer_type_t buft, const kvmem_dims
                     "or --kvmem-host-mib", (double) bytes()/1024.0/1024.0, ggml_backend_buft_name(buft)));
     }
     ggml_backend_buffer_clear(buf, 0);
+    put_cap = KVMEM_SUMMARY_PUT_BLOCKS*d.n_lt*d.n_head_kv*n_ch*d.head_dim;
+    ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+    ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    put_buf = host ? ggml_backend_buft_alloc_buffer(host, put_cap*sizeof(ggml_fp16_t)) : nullptr;
+    if (put_buf) {
+        put_base = (ggml_fp16_t *) ggml_backend_buffer_get_base(put_buf);
+    } else {
+        put_plain.resize(put_cap);
+        put_base = put_plain.data();
+    }
 }
 
 size_t kvmem_summary_store::bytes() const {
@@ -46,13 +64,24 @@ size_t kvmem_summary_store::bytes() const {
 void kvmem_summary_store::put(uint32_t slot, const float * summary) {
     GGML_ASSERT(slot < slots);
     const size_t n = (size_t) n_ch*d.head_dim;
-    row16.resize(n);
+    if (put_used + d.n_lt*d.n_head_kv*n > put_cap) {
+        flush();
+    }
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
         for (uint32_t kv = 0; kv < d.n_head_kv; ++kv) {
-            ggml_fp32_to_fp16_row(summary + ((size_t) lt*d.n_head_kv + kv)*n, row16.data(), (int64_t) n);
+            ggml_fp16_t * row16 = put_base + put_used;
+            put_used += n;
+            ggml_fp32_to_fp16_row(summary + ((size_t) lt*d.n_head_kv + kv)*n, row16, (int64_t) n);
             ggml_tensor * t = keys[lt];
-            ggml_backend_tensor_set(t, row16.data(), kv*t->nb[2] + (size_t) slot*n_ch*t->nb[1], n*sizeof(ggml_fp16_t));
+            ggml_backend_tensor_set_async(backend, t, row16, kv*t->nb[2] + (size_t) slot*n_ch*t->nb[1], n*sizeof(ggml_fp16_t));
         }
+    }
+}
+
+void kvmem_summary_store::flush() {
+    if (put_used > 0) {
+        ggml_backend_synchronize(backend);
+        put_used = 0;
     }
 }
 

@@ -27,11 +27,16 @@ public:
     kvmem_summary_store & operator=(const kvmem_summary_store &) = delete;
     ~kvmem_summary_store();
 
-    // summaries of n_slots blocks of n_chunks chunks in buft (throws with the size when it cannot be allocated)
-    void init(ggml_backend_buffer_type_t buft, const kvmem_dims & dims, uint32_t n_chunks, uint32_t n_slots);
+    // summaries of n_slots blocks of n_chunks chunks on backend's device (throws with the size when it cannot be
+    // allocated)
+    void init(ggml_backend_t backend, const kvmem_dims & dims, uint32_t n_chunks, uint32_t n_slots);
 
-    // a block's summary in the host scorer's layout [layer][kv head][chunk][head_dim] into its slot
+    // a block's summary in the host scorer's layout [layer][kv head][chunk][head_dim] into its slot: converted to
+    // f16 in pinned memory and copied on the backend's stream without a wait (a 27B model's block is 64 copies;
+    // one wait each cost ~1 ms per block while a long prompt was read); scoring on that stream comes after them
     void put(uint32_t slot, const float * summary);
+    // waits for the puts (the host memory they read is reused after this)
+    void flush();
 
     size_t bytes() const;
     uint32_t n_chunks() const { return n_ch; }
@@ -43,10 +48,16 @@ private:
     kvmem_dims d;
     uint32_t n_ch = 0;
     uint32_t slots = 0;
+    ggml_backend_t backend = nullptr;
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
     std::vector<ggml_tensor *> keys;
-    std::vector<ggml_fp16_t> row16; // conversion scratch
+    // the puts' f16 rows until they are copied: pinned where the device has host memory
+    ggml_backend_buffer_t put_buf = nullptr;
+    std::vector<ggml_fp16_t> put_plain;
+    ggml_fp16_t * put_base = nullptr;
+    size_t put_cap = 0;   // f16 values
+    size_t put_used = 0;  // since the last wait
 };
 
 // the scoring graph's largest tensor, one step's attention matrix [keys, query heads x rows] f32, stays within

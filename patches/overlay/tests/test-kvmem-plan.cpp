@@ -27,7 +27,7 @@ kvmem_seq make_history(const kvmem_scorer & sc, int needle) {
         }
         auto & sum = st.rows.summary[b];
         sum.resize(sc.summary_size());
-        sc.summarize([&](uint32_t t) { return keys.data() + t*DIMS.key_row(); }, sum.data());
+        sc.summarize(keys.data(), sum.data());
         st.rows.tokens[b] = std::vector<llama_token>(DIMS.block, (llama_token) (10 + b % 3));
         st.lexicon.add(b, st.rows.tokens[b]); // what write-through does
     }

@@ -34,7 +34,7 @@ std::vector<std::vector<float>> make_keys(int n_blocks, int needle, uint32_t see
 
 std::vector<float> summarize(const kvmem_scorer & sc, const std::vector<float> & keys) {
     std::vector<float> out(sc.summary_size());
-    sc.summarize([&](uint32_t t) { return keys.data() + t*DIMS.key_row(); }, out.data());
+    sc.summarize(keys.data(), out.data());
     return out;
 }
 
@@ -93,7 +93,13 @@ KV_SUITE(score) {
     KV_CHECK(mass.summary_size() == 2*DIMS.head_dim);
     const auto keys = make_keys(1, 0, 3)[0];
     std::vector<float> old(mass.summary_size(), 42.0f), out(mass.summary_size());
-    mass.summarize([&](uint32_t t) { return t < 8 ? nullptr : keys.data() + t*DIMS.key_row(); }, out.data(), old.data(), 8);
+    std::vector<const float *> rows((size_t) DIMS.block*DIMS.n_lt, nullptr); // the first 8 tokens unknown
+    for (uint32_t t = 8; t < DIMS.block; ++t) {
+        for (uint32_t lt = 0; lt < DIMS.n_lt; ++lt) {
+            rows[(size_t) t*DIMS.n_lt + lt] = keys.data() + t*DIMS.key_row() + (size_t) lt*DIMS.n_head_kv*DIMS.head_dim;
+        }
+    }
+    mass.summarize(rows, out.data(), old.data(), 8);
     KV_CHECK(std::all_of(out.begin(), out.begin() + DIMS.head_dim, [](float x) { return x == 42.0f; }));
     float mean1 = 0.0f;
     for (uint32_t t = 8; t < 16; ++t) {

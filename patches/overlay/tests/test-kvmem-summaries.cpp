@@ -62,7 +62,7 @@ KV_SUITE(summaries) {
         for (size_t i = 0; i < keys.size(); ++i) {
             keys[i] = noise(rng) + (i % d.head_dim == 0 ? (b == 9 ? 5.0f : b == 17 ? 2.5f : 0.0f) : 0.0f);
         }
-        mass.summarize([&](uint32_t t) { return keys.data() + t*d.key_row(); }, sums[b].data());
+        mass.summarize(keys.data(), sums[b].data());
     }
     const uint32_t n_rows = 20;
     std::vector<float> q(n_rows*d.query_row());
@@ -80,7 +80,7 @@ KV_SUITE(summaries) {
 
     // the graph's, the blocks in shuffled slots of a larger store
     kvmem_summary_store store;
-    store.init(ggml_backend_get_default_buffer_type(be), d, n_ch, 40);
+    store.init(be, d, n_ch, 40);
     std::vector<uint32_t> slots(n_blocks);
     std::iota(slots.begin(), slots.end(), 7u);
     std::shuffle(slots.begin(), slots.end(), rng);
