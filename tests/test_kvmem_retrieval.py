@@ -147,11 +147,15 @@ def test_retrieval_prefill_selects_inside_the_prompt(llama_server, smollm2) -> N
     assert "5550123" in out["content"], out["content"]
 
 
-def test_a_prompt_that_differs_deep_in_the_history_keeps_every_block_retrievable(llama_server, smollm2) -> None:
+@pytest.mark.parametrize("score_on", ["host", "device"])
+def test_a_prompt_that_differs_deep_in_the_history_keeps_every_block_retrievable(llama_server, smollm2,
+                                                                                   score_on) -> None:
     """The same haystack twice through the prompt cache, the needle moved from 90% to 30%: the server reuses the
     common prefix and cuts the cache inside a block whose first tokens' key rows are long gone. That block is
     summarized again when it completes (its old summary stands in for the unchanged tokens), so the needle in
-    it is still found (it used to lose its summary and never be a candidate again)."""
+    it is still found (it used to lose its summary and never be a candidate again). `mass` alone: the lexical
+    picks of `hybrid` would find the needle's words without any summary. With the summaries on the scoring backend
+    (`device`; the CPU backend here) the old summary is read back from there: it is the only copy."""
     import httpx
 
     def ask(url: str, depth: float) -> tuple[str, int]:
@@ -160,7 +164,8 @@ def test_a_prompt_that_differs_deep_in_the_history_keeps_every_block_retrievable
                                                     "cache_prompt": True}, timeout=600).json()
         return out, value_block(url, prompt, "4417093", 64)
 
-    args = ["-c", "4096", "-np", "1", "--kvmem-budget", "512", *SMALL, "--kvmem-trace"]
+    args = ["-c", "4096", "-np", "1", "--kvmem-budget", "512", *SMALL, "--kvmem-trace", "--kvmem-score-on", score_on,
+            "--kvmem-method", "mass"]
     with llama_server(smollm2, args) as srv:
         ask(srv.url, 0.9)
         mark = len(srv.log())

@@ -261,9 +261,10 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
     }
     bring_back_last(seq_id, *st, p0); // the cut block, whose kept part the next batch follows
     const bool ok = llama_kv_cache::seq_rm(seq_id, p0, p1) && ok_past;
-    drop_host_blocks(seq_id, p0/B);
-    // the cut block's summary is rebuilt from the kept key rows when the block completes again
+    // the cut block's summary is rebuilt from the kept key rows when the block completes again (its old one is
+    // read from the store while the block still holds its slot)
     forget_from(*st, p0, POS_END);
+    drop_host_blocks(seq_id, p0/B);
     while (!st->tokens.empty() && st->tokens.back().pos[0] >= p0) {
         st->tokens.pop_back();
     }
@@ -278,8 +279,8 @@ void llama_kvmem_cache::cut_for_recompute(llama_seq_id seq_id, llama_pos p0) {
     GGML_ASSERT(st && p0 >= 0);
     bring_back_last(seq_id, *st, p0);
     llama_kv_cache::seq_rm(seq_id, p0, POS_END);
-    drop_host_blocks(seq_id, p0/(int32_t) kp.block);
     forget_from(*st, p0, POS_END, /*keep_summaries*/ true);
+    drop_host_blocks(seq_id, p0/(int32_t) kp.block);
     publish();
 }
 

@@ -389,10 +389,7 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
         if (toks != st.rows.tokens.end()) {
             st.lexicon.add(b, toks->second); // a document for the lexical picks from now on
         }
-        const auto summ = st.rows.summary.find(b);
-        if (summaries && summ != st.rows.summary.end()) {
-            summaries->put(st.blocks.at(b).slot, summ->second.data());
-        }
+        store_summary(st, b, st.blocks.at(b));
     }
     copier.wait();
     st.next_host = std::max(st.next_host, done);

@@ -228,9 +228,31 @@ void llama_kvmem_cache::build_summary(kvmem_seq & st, int32_t b, const kvmem_key
         st.rows.stale.erase(stale);
     }
     const auto hb = st.blocks.find(b);
-    if (summaries && hb != st.blocks.end()) {
-        summaries->put(hb->second.slot, out.data()); // already on the host: its slot's summary changes with it
+    if (hb != st.blocks.end()) {
+        store_summary(st, b, hb->second); // already in the host pool: its slot's summary changes with it
     }
+}
+
+void llama_kvmem_cache::store_summary(kvmem_seq & st, int32_t b, kvmem_block & hb) {
+    const auto host = st.rows.summary.find(b);
+    if (!summaries || host == st.rows.summary.end()) {
+        return; // the host scorer reads them here
+    }
+    summaries->put(hb.slot, host->second.data());
+    hb.summarized = true;
+    st.rows.summary.erase(host);
+}
+
+std::vector<float> llama_kvmem_cache::block_summary(const kvmem_seq & st, int32_t b) {
+    const auto host = st.rows.summary.find(b);
+    if (host != st.rows.summary.end()) {
+        return host->second;
+    }
+    const auto hb = st.blocks.find(b);
+    if (summaries && hb != st.blocks.end() && hb->second.summarized) {
+        return summaries->get(hb->second.slot);
+    }
+    return {};
 }
 
 void llama_kvmem_cache::forget_from(kvmem_seq & st, llama_pos p0, llama_pos p1, bool keep_summaries) {
@@ -244,14 +266,16 @@ void llama_kvmem_cache::forget_from(kvmem_seq & st, llama_pos p0, llama_pos p1, 
     }
     st.rows.key.erase(st.rows.key.lower_bound(p0), st.rows.key.lower_bound(p1));
     st.rows.query.erase(st.rows.query.lower_bound(p0), st.rows.query.lower_bound(p1));
-    if (keep_summaries) {
-        return;
-    }
     // the block the cut falls in keeps its old summary aside, if its first tokens' rows are gone
     const int32_t b0 = p0/B;
-    const auto sit = st.rows.summary.find(b0);
-    if (p1 == POS_END && p0 % B != 0 && sit != st.rows.summary.end() && st.rows.key.find(b0*B) == st.rows.key.end()) {
-        st.rows.stale[b0] = { sit->second, (uint32_t) (p0 - b0*B) };
+    if (p1 == POS_END && p0 % B != 0 && st.rows.key.find(b0*B) == st.rows.key.end()) {
+        std::vector<float> old = block_summary(st, b0);
+        if (!old.empty()) {
+            st.rows.stale[b0] = { std::move(old), (uint32_t) (p0 - b0*B) };
+        }
+    }
+    if (keep_summaries) {
+        return;
     }
     st.rows.stale.erase(st.rows.stale.upper_bound(b0), st.rows.stale.end());
     const int32_t b1 = p1 == POS_END ? std::numeric_limits<int32_t>::max() : (p1 - 1)/B + 1;

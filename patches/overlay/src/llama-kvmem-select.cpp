@@ -111,7 +111,7 @@ static std::vector<std::pair<float, int32_t>> kvmem_rank_blocks(const kvmem_seq 
         std::vector<int32_t> ids;
         std::vector<char> cand;
         for (const auto & [b, hb] : st.blocks) {
-            if (st.rows.summary.count(b)) {
+            if (hb.summarized || st.rows.summary.count(b)) {
                 ids.push_back(b);
                 cand.push_back(!target.count(b));
             }

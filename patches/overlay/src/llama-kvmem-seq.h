@@ -50,6 +50,7 @@ struct kvmem_block {
     bool     resident = false; // its cells are in the working set
     bool     picked   = false; // chosen by the score of the last selection (picks leave lowest score first)
     float    score    = 0.0f;
+    bool     summarized = false; // its summary is in the summary store's slot, the only copy (not in rows.summary)
     std::vector<llama_kv_cell_ext> ext; // per token (M-RoPE positions)
 };
 
@@ -88,7 +89,9 @@ struct kvmem_prompt_token {
 
 // what scoring knows of a sequence: block summaries, recent key and query rows, token ids per block
 struct kvmem_seq_rows {
-    std::map<int32_t, std::vector<float>> summary;     // by block index (the scorer's layout)
+    // by block index (the scorer's layout): every block's on the host scorer; with a summary store only those of
+    // blocks not in the host pool yet (a 27B model's summaries are 1 MiB per block: 2 GiB at 256K)
+    std::map<int32_t, std::vector<float>> summary;
     // a block cut by a truncation deep in the history (its older key rows are gone): its old summary and how
     // many leading tokens are unchanged, to rebuild the summary when the block completes again
     std::map<int32_t, std::pair<std::vector<float>, uint32_t>> stale;

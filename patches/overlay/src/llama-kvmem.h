@@ -246,7 +246,9 @@ private:
     void undo_events(llama_seq_id seq_id, kvmem_seq & st, llama_pos p0);
     void trace_resident(llama_seq_id seq_id, const kvmem_seq & st, llama_pos pos, kvmem_reason reason) const;
 
-    // rows (llama-kvmem-rows.cpp): drop key rows, query rows and (unless keep_summaries) summaries in [p0, p1)
+    // rows (llama-kvmem-rows.cpp): drop key rows, query rows and (unless keep_summaries) host summaries in [p0, p1);
+    // a cut inside a block whose first rows are gone keeps its summary aside (read from the store: call this before
+    // the host blocks go)
     void forget_from(kvmem_seq & st, llama_pos p0, llama_pos p1, bool keep_summaries = false);
     // the ubatch's captured K and Q tensors read back in one round (cap_k/cap_q per tiered layer; nullptr: none)
     void fetch_captures(ggml_backend_sched_t sched, const llm_graph_result * res, uint32_t n_tokens, bool keys,
@@ -259,6 +261,10 @@ private:
     void capture_queries(const llama_ubatch & ubatch);
     void capture_tokens(const llama_ubatch & ubatch);
     void build_summary(kvmem_seq & st, int32_t b, const kvmem_key_rows & key_row);
+    // a block in the host pool whose summary is on the host goes to the summary store, its host copy with it
+    void store_summary(kvmem_seq & st, int32_t b, kvmem_block & hb);
+    // a block's summary where it is (host, or read back from the store); empty when it has none
+    std::vector<float> block_summary(const kvmem_seq & st, int32_t b);
     kvmem_readback readback;
     std::vector<const float *> cap_k, cap_q; // into readback, for the ubatch being captured
     uint32_t n_cap_q = 0;                    // query rows per layer in cap_q
