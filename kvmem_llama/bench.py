@@ -14,7 +14,8 @@ Per repeat it records decode tok/s over the whole generation (the generation-tim
 part of the server log that this repeat wrote: each re-selection's ms (reason refresh/room), the turn
 selection's ms (reason=turn; a `fits=1` line, nothing to select, counts with 0 ms), its stage-in ms,
 GB/s and staged blocks. Per server: peak GPU memory (nvidia-smi), the KV buffer the engine allocated
-(its log) and peak host RSS.
+(its log), peak host RSS, peak anonymous + shared RSS (RssAnon + RssShmem: RSS less the model file's pages)
+and the host KV pool the engine reserved (ARMED's host_mib; pinned memory, which RSS does not count).
 
 Results are one row per repeat (`repeat` 0..n-1), so the report's min and median are over repeats;
 the rows of one server share `server_run` and, with `prefill_shared`, the one turn-1 prefill
@@ -73,6 +74,8 @@ class BenchResult:
     peak_vram_mib: float | None  # peak of the server run so far (whole device)
     kv_buffer_mib: float
     host_rss_peak_mib: float  # peak of the server run so far
+    host_anon_peak_mib: float | None = None  # peak RssAnon + RssShmem of the server run so far (Linux)
+    host_pool_mib: float | None = None  # the host KV pool the engine reserved (ARMED host_mib; None: tiering off)
     repeat: int = 0
     decode_tokens: int = 0
     server_run: str = ""  # one id per server (and so per turn-1 prefill)
@@ -99,14 +102,26 @@ class BenchResult:
     error: str | None = None
 
 
+def anon_rss_mib(pid: int) -> float | None:
+    """RssAnon + RssShmem of a process (MiB): its resident memory less file-backed pages (a model's mmap), from
+    /proc/PID/status; None where there is no such file."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    kib = [int(m) for m in re.findall(r"^Rss(?:Anon|Shmem):\s+(\d+) kB", status, flags=re.M)]
+    return sum(kib) / 1024 if kib else None
+
+
 class _Sampler(threading.Thread):
-    """Peak GPU memory (whole device, nvidia-smi) and peak RSS of one process, sampled at 5 Hz."""
+    """Peak GPU memory (whole device, nvidia-smi), peak RSS and peak anonymous RSS of one process, at 5 Hz."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
         self.pid = pid
         self.peak_vram: float | None = None
         self.peak_rss = 0.0
+        self.peak_anon: float | None = None
         self._stop_event = threading.Event()
         self._smi = shutil.which("nvidia-smi")
 
@@ -117,6 +132,9 @@ class _Sampler(threading.Thread):
                 self.peak_rss = max(self.peak_rss, proc.memory_info().rss / 2**20)
             except psutil.Error:
                 pass
+            anon = anon_rss_mib(self.pid)
+            if anon is not None:
+                self.peak_anon = max(self.peak_anon or 0.0, anon)
             if self._smi:
                 out = subprocess.run([self._smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                                      capture_output=True, text=True)
@@ -138,6 +156,15 @@ def _complete(http: httpx.Client, tokens: list[int], n_predict: int) -> dict:
     if reply.status_code != 200:
         raise KvmemError(f"/completion answered {reply.status_code}: {reply.text[:500]}")
     return reply.json()
+
+
+def _host_pool_mib(text: str) -> float | None:
+    """The host KV pool's MiB from the ARMED line, None without one (tiering off)."""
+    pool = None
+    for line in text.splitlines():
+        if (armed := parse_armed(line)) and "host_mib" in armed:
+            pool = float(armed["host_mib"])
+    return pool
 
 
 def _block_bytes(text: str) -> int:
@@ -245,12 +272,13 @@ def run_cell(server: Path, model: Path, config: str, context: int, server_args: 
             text = log.read(0)
             kv_buffer_mib = sum(float(m) for m in KV_BUFFER.findall(text))
             block_bytes = _block_bytes(text)
+            host_pool_mib = _host_pool_mib(text)
             record_selections(text, turn1_row, block_bytes)
             turn1_selections = {key: getattr(turn1_row, key) for key in SELECTION_FIELDS}
             setup_s = round(time.monotonic() - started, 1)
             for repeat in repeat_ids:
                 result = row(repeat)
-                result.kv_buffer_mib, result.setup_s = kv_buffer_mib, setup_s
+                result.kv_buffer_mib, result.setup_s, result.host_pool_mib = kv_buffer_mib, setup_s, host_pool_mib
                 if turn1_row.error:
                     result.error = turn1_row.error
                 else:
@@ -273,6 +301,7 @@ def run_cell(server: Path, model: Path, config: str, context: int, server_args: 
                     record_selections(text, result, block_bytes)
                 result.peak_vram_mib = sampler.peak_vram
                 result.host_rss_peak_mib = round(sampler.peak_rss, 1)
+                result.host_anon_peak_mib = None if sampler.peak_anon is None else round(sampler.peak_anon, 1)
                 emit(result)
     finally:
         sampler.stop()
@@ -350,12 +379,21 @@ def cells(rows: list[dict]) -> list[dict]:
             cell["peak_vram_mib"] = max((r["peak_vram_mib"] or 0.0) for r in ok) or None
             cell["kv_buffer_mib"] = max(r["kv_buffer_mib"] for r in ok)
             cell["host_rss_peak_mib"] = max(r["host_rss_peak_mib"] for r in ok)
+            anon = [r["host_anon_peak_mib"] for r in ok if r.get("host_anon_peak_mib") is not None]
+            cell["host_anon_peak_mib"] = max(anon) if anon else None
+            pools = [r["host_pool_mib"] for r in ok if r.get("host_pool_mib") is not None]
+            cell["host_pool_mib"] = max(pools) if pools else None
         out.append(cell)
     return out
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _host_rss(cell: dict) -> str:
+    anon = cell.get("host_anon_peak_mib")
+    return _fmt(cell["host_rss_peak_mib"], 0) + ("" if anon is None else f" ({anon:,.0f})")
 
 
 def _fmt_pair(median: float | None, top: float | None) -> str:
@@ -366,19 +404,23 @@ TABLE_NOTE = ("runs: repeats of turn 2 that did not fail; servers: server runs a
               "prefill, so prefill min / median is over servers, every other column over repeats. turn-2 read: "
               "the most prompt tokens a repeat's turn 2 read (~512 when the prompt cache kept the prefix). "
               "turn select ms (scoring, planning and staging), score ms, stage ms and stage-in GB/s: turn 2's "
-              "selections at the end of its prompt (medians over repeats), GB/s in brackets turn 1's (over servers).")
+              "selections at the end of its prompt (medians over repeats), GB/s in brackets turn 1's (over servers). "
+              "host RSS MiB: peak resident memory, in brackets its anonymous part (RssAnon + RssShmem, without the "
+              "model file's pages); host KV pool MiB: what the engine reserved for the pool (pinned on a GPU, which "
+              "RSS does not count), so host KV memory is the pool plus the anonymous part's growth.")
 
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| config | context | runs | servers | prefill tok/s min / median | decode tok/s min / median | generated "
             "| turn-2 read | refreshes | refresh ms median (max) | turn select ms median (max) | score ms median "
-            "| stage ms median | stage-in GB/s (turn 1) | peak VRAM MiB | KV buffer MiB | host RSS MiB | note |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|\n")
+            "| stage ms median | stage-in GB/s (turn 1) | peak VRAM MiB | KV buffer MiB | host RSS MiB (anon) "
+            "| host KV pool MiB | note |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
     lines = []
     for c in cells(rows):
         note = (c["error"] or "")[:60]
         if not c["repeats"]:
-            lines.append(f"| {c['config']} | {c['context']:,} | 0 | 0 |" + " - |" * 13 + f" {note} |")
+            lines.append(f"| {c['config']} | {c['context']:,} | 0 | 0 |" + " - |" * 14 + f" {note} |")
             continue
         read = "-" if c["turn2_prompt_tokens_max"] is None else f"{c['turn2_prompt_tokens_max']:,}"
         gbps = _fmt(c["stage_in_gbps_median"])
@@ -392,7 +434,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"{_fmt_pair(c['turn_select_ms_median'], c['turn_select_ms_max'])} | {_fmt(c['score_ms_median'])} | "
             f"{_fmt(c['stage_ms_median'])} | "
             f"{gbps} | {_fmt(c['peak_vram_mib'], 0)} | {_fmt(c['kv_buffer_mib'], 0)} | "
-            f"{_fmt(c['host_rss_peak_mib'], 0)} | {note} |")
+            f"{_host_rss(c)} | {_fmt(c.get('host_pool_mib'), 0)} | {note} |")
     return head + "\n".join(lines) + "\n\n" + TABLE_NOTE + "\n"
 
 

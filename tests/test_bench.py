@@ -46,6 +46,8 @@ def test_bench_two_configs_and_report(cpu_engine: Engine, smollm2: Path, tmp_pat
         assert row["prefill_tps"] > 0 and row["decode_tps"] > 0
         assert row["kv_buffer_mib"] > 0  # parsed from the engine's own log
         assert row["host_rss_peak_mib"] > 50
+        # the anonymous part (no model file pages) is sampled apart; tiering off reserves no host KV pool
+        assert 0 < row["host_anon_peak_mib"] < row["host_rss_peak_mib"] and row["host_pool_mib"] is None
         assert TURN2_TOKENS <= row["turn2_prompt_tokens"] <= TURN2_TOKENS + 8
     report = subprocess.run(["kvmem", "bench", "report", "--out", str(out)], capture_output=True, text=True,
                             timeout=120)
@@ -129,6 +131,9 @@ def test_bench_tiered_run_records_selections_refreshes_and_stage_in(cpu_engine: 
     (cell,) = cells([row])
     assert cell["refreshes_per_run"] == len(row["refresh_ms"]) and cell["refresh_ms_median"] > 0
     assert cell["turn1_stage_in_gbps_median"] > 0
+    # the host KV pool the engine reserved (ARMED host_mib): the whole 2K context at f16, 23,040 B per token
+    assert cell["host_pool_mib"] >= 2048 * 23040 / 2**20 and cell["host_anon_peak_mib"] > 0
+    assert f"| {cell['host_pool_mib']:,.0f} |" in markdown_table([row])
 
 
 def test_record_selections_sorts_select_lines_by_reason() -> None:
