@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 24 on the H200 in one background job: build our sm_90 engine (default FA quants, no web UI; UPSTREAM=1
-# builds the unpatched pin too), run the stager/scorer suites on CUDA0, then the bench cells, most wanted first.
+# builds the unpatched pin too), run the stager/scorer suites and the stager benchmark on CUDA0, then the bench
+# cells, most wanted first.
 #   call 1:    bash packaging/device/issue24.sh start     (carry: [".whl", ".kvmem"]; fill them with stage)
 #   calls 2..: bash packaging/device/issue24.sh wait 540  (returns when a step lands, the job ends, or after 540 s;
 #              what is done so far comes back in $OUT; issue the next call within the machine's 30 s idle window)
@@ -42,13 +43,15 @@ run)
   # (a source pack carries no tests/ folder: the overlay's test files are copied into the unpacked tree)
   build=$(ls -d ~/.cache/kvmem/trees/*/build-cuda-* | head -1); src=$(dirname "$build")/src
   mkdir -p "$src/tests" && cp -rn patches/overlay/tests/. "$src/tests/"
-  cmake -S "$src" -B "$build" -DKVMEM_BUILD_TESTS=ON >/dev/null && ninja -C "$build" test-kvmem 2>&1 | tail -3
+  cmake -S "$src" -B "$build" -DKVMEM_BUILD_TESTS=ON >/dev/null && ninja -C "$build" test-kvmem bench-kvmem-stager 2>&1 | tail -3
   for suite in stager summaries queries readback; do KVMEM_TEST_DEVICE=CUDA0 "$build/bin/test-kvmem" $suite 2>&1 | grep -v load_backend; done | tee "$OUT/cuda-suites.txt"
+  # the stager's stage-in throughput by staging size, next to plain copies of the same slots (no model)
+  KVMEM_TEST_DEVICE=CUDA0 "$build/bin/bench-kvmem-stager" "$OUT/stager-bench.json" 2>&1 | grep -v load_backend | tee "$OUT/stager-bench.txt"
   # shellcheck disable=SC2086
   REPEATS=${REPEATS:-3} bash packaging/device/bench-cells.sh $CELLS
   echo "ALL DONE" ;;
 wait)
-  landed() { cat /tmp/out/host.txt /tmp/out/bench-notes.txt /tmp/out/cuda-suites.txt 2>/dev/null | wc -l; }
+  landed() { cat /tmp/out/host.txt /tmp/out/bench-notes.txt /tmp/out/cuda-suites.txt /tmp/out/stager-bench.txt 2>/dev/null | wc -l; }
   before=$(landed); deadline=$(( $(date +%s) + ${2:-540} ))
   while [ "$(date +%s)" -lt "$deadline" ] && [ "$(landed)" = "$before" ] && pgrep -f "issue24.sh run" >/dev/null; do
     sleep 5

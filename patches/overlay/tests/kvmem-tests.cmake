@@ -25,3 +25,10 @@ foreach (suite seq residency score lexical plan journal pool params summaries qu
     add_test(NAME kvmem-${suite} COMMAND test-kvmem ${suite})
     set_property(TEST kvmem-${suite} PROPERTY LABELS kvmem)
 endforeach()
+
+# the stager's stage-in throughput for several staging sizes (a benchmark for a GPU host, not a test:
+# packaging/device/issue24.sh runs it with KVMEM_TEST_DEVICE=CUDA0)
+add_executable(bench-kvmem-stager ${CMAKE_CURRENT_LIST_DIR}/bench-kvmem-stager.cpp)
+target_include_directories(bench-kvmem-stager PRIVATE ${PROJECT_SOURCE_DIR}/src)
+target_link_libraries(bench-kvmem-stager PRIVATE llama ggml)
+target_compile_features(bench-kvmem-stager PRIVATE cxx_std_17)
