@@ -231,7 +231,7 @@ def test_a_full_host_pool_frees_idle_slots_like_a_full_kv_cache(llama_server, sm
 
 @pytest.mark.parametrize("method", ["mass", "hybrid"])
 def test_the_graph_scorer_keeps_the_blocks_the_host_scorer_keeps(llama_server, smollm2, method) -> None:
-    """`--kvmem-score-on device` scores with the ggml graph over bf16 summaries on the working set's backend (the
+    """`--kvmem-score-on device` scores with the ggml graph over f16 summaries on the working set's backend (the
     CPU backend here, CUDA on a GPU: the same graph); `host` with the host scorer over f32 summaries. On one prompt
     with a question, every selection (the turn's and the refreshes during generation) leaves the same blocks
     resident, and the greedy answers are the same."""

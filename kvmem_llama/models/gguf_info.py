@@ -104,7 +104,7 @@ class ModelInfo:
 
     @property
     def summary_bytes_per_token(self) -> int:
-        """The engine's block summaries per history token: bf16 means of 8-token chunks of every attention layer's
+        """The engine's block summaries per history token: f16 means of 8-token chunks of every attention layer's
         pre-RoPE keys (the `mass` scorer's), kept where the working set is (VRAM on a GPU) for scoring there."""
         return sum(h * (self.head_dim_k or 0) for h in self.kv_heads if h) * 2 // SUMMARY_CHUNK_TOKENS
 

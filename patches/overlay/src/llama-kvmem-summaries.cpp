@@ -10,7 +10,7 @@
 #include <numeric>
 #include <stdexcept>
 
-// the bf16 summaries of this many blocks are put before the store waits for their copies
+// the f16 summaries of this many blocks are put before the store waits for their copies
 static constexpr size_t KVMEM_SUMMARY_PUT_BLOCKS = 32;
 
 kvmem_summary_store::~kvmem_summary_store() {
@@ -35,7 +35,7 @@ void kvmem_summary_store::init(ggml_backend_t backend_in, const kvmem_dims & dim
     ggml_init_params params = { ggml_tensor_overhead()*d.n_lt, nullptr, /*no_alloc*/ true };
     ctx = ggml_init(params);
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
-        ggml_tensor * t = ggml_new_tensor_3d(ctx, GGML_TYPE_BF16, d.head_dim, (int64_t) slots*n_ch, d.n_head_kv);
+        ggml_tensor * t = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, d.head_dim, (int64_t) slots*n_ch, d.n_head_kv);
         ggml_format_name(t, "kvmem_summaries-%u", lt);
         keys.push_back(t);
     }
@@ -48,9 +48,9 @@ void kvmem_summary_store::init(ggml_backend_t backend_in, const kvmem_dims & dim
     put_cap = KVMEM_SUMMARY_PUT_BLOCKS*d.n_lt*d.n_head_kv*n_ch*d.head_dim;
     ggml_backend_dev_t dev = ggml_backend_get_device(backend);
     ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
-    put_buf = host ? ggml_backend_buft_alloc_buffer(host, put_cap*sizeof(ggml_bf16_t)) : nullptr;
+    put_buf = host ? ggml_backend_buft_alloc_buffer(host, put_cap*sizeof(ggml_fp16_t)) : nullptr;
     if (put_buf) {
-        put_base = (ggml_bf16_t *) ggml_backend_buffer_get_base(put_buf);
+        put_base = (ggml_fp16_t *) ggml_backend_buffer_get_base(put_buf);
     } else {
         put_plain.resize(put_cap);
         put_base = put_plain.data();
@@ -58,7 +58,7 @@ void kvmem_summary_store::init(ggml_backend_t backend_in, const kvmem_dims & dim
 }
 
 size_t kvmem_summary_store::bytes() const {
-    return (size_t) d.n_lt*d.n_head_kv*slots*n_ch*d.head_dim*sizeof(ggml_bf16_t);
+    return (size_t) d.n_lt*d.n_head_kv*slots*n_ch*d.head_dim*sizeof(ggml_fp16_t);
 }
 
 void kvmem_summary_store::put(uint32_t slot, const float * summary) {
@@ -69,11 +69,11 @@ void kvmem_summary_store::put(uint32_t slot, const float * summary) {
     }
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
         for (uint32_t kv = 0; kv < d.n_head_kv; ++kv) {
-            ggml_bf16_t * row = put_base + put_used;
+            ggml_fp16_t * row16 = put_base + put_used;
             put_used += n;
-            ggml_fp32_to_bf16_row(summary + ((size_t) lt*d.n_head_kv + kv)*n, row, (int64_t) n);
+            ggml_fp32_to_fp16_row(summary + ((size_t) lt*d.n_head_kv + kv)*n, row16, (int64_t) n);
             ggml_tensor * t = keys[lt];
-            ggml_backend_tensor_set_async(backend, t, row, kv*t->nb[2] + (size_t) slot*n_ch*t->nb[1], n*sizeof(ggml_bf16_t));
+            ggml_backend_tensor_set_async(backend, t, row16, kv*t->nb[2] + (size_t) slot*n_ch*t->nb[1], n*sizeof(ggml_fp16_t));
         }
     }
 }
@@ -82,13 +82,13 @@ std::vector<float> kvmem_summary_store::get(uint32_t slot) {
     GGML_ASSERT(slot < slots);
     flush(); // a put of this slot may still be on its way
     const size_t n = (size_t) n_ch*d.head_dim;
-    std::vector<ggml_bf16_t> row(n);
+    std::vector<ggml_fp16_t> row(n);
     std::vector<float> out((size_t) d.n_lt*d.n_head_kv*n);
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
         for (uint32_t kv = 0; kv < d.n_head_kv; ++kv) {
             const ggml_tensor * t = keys[lt];
-            ggml_backend_tensor_get(t, row.data(), kv*t->nb[2] + (size_t) slot*n_ch*t->nb[1], n*sizeof(ggml_bf16_t));
-            ggml_bf16_to_fp32_row(row.data(), out.data() + ((size_t) lt*d.n_head_kv + kv)*n, (int64_t) n);
+            ggml_backend_tensor_get(t, row.data(), kv*t->nb[2] + (size_t) slot*n_ch*t->nb[1], n*sizeof(ggml_fp16_t));
+            ggml_fp16_to_fp32_row(row.data(), out.data() + ((size_t) lt*d.n_head_kv + kv)*n, (int64_t) n);
         }
     }
     return out;
@@ -115,7 +115,7 @@ kvmem_graph_scorer::~kvmem_graph_scorer() {
     ggml_gallocr_free(galloc);
 }
 
-kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, int64_t first_slot, const std::vector<rows_span> & rows) {
+kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, const std::vector<rows_span> & rows) {
     const kvmem_dims & d = store.dims();
     const uint32_t n_ch = store.n_chunks();
     const int64_t n_blocks = (int64_t) n_blocks_in;
@@ -136,22 +136,15 @@ kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, int64_t 
 
     // the chunk rows of these blocks, the same for every KV head; the query rows where they are, regrouped so that
     // each KV head's summaries are read once per step for all the query heads that share it
-    if (first_slot < 0) {
-        g.idx = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_blocks*n_ch, d.n_head_kv);
-        ggml_set_input(g.idx);
-    }
+    g.idx = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_blocks*n_ch, d.n_head_kv);
+    ggml_set_input(g.idx);
     ggml_tensor * total = nullptr;
     const float scale = 1.0f/std::sqrt((float) d.head_dim);
     const size_t fl = sizeof(float);
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
-        // [head_dim, keys, kv heads]. Consecutive slots are a view of the bf16 store: a GPU multiplies bf16 operands
-        // on its tensor cores with f32 sums and results (cuBLAS; f32 operands ran the 261K turn's products at SGEMM
-        // speed, 22 of its 24 ms on the H200). Other slots are gathered as f32 (the same values; f32 products), which
-        // takes no more memory than one layer's f32 copy (a bf16 cast of it would need half as much again)
-        ggml_tensor * all = store.layer(lt);
-        ggml_tensor * k = first_slot >= 0
-            ? ggml_view_3d(ctx, all, d.head_dim, n_blocks*n_ch, d.n_head_kv, all->nb[1], all->nb[2], (size_t) first_slot*n_ch*all->nb[1])
-            : ggml_get_rows(ctx, all, g.idx);
+        // [head_dim, keys, kv heads] gathered as f32: f32 products (an f16 operand with f32 sums converts it back
+        // to f32 inside every product on CUDA; measured slower on the H200)
+        ggml_tensor * k = ggml_get_rows(ctx, store.layer(lt), g.idx);
         for (const rows_span & r : rows) {
             for (uint32_t r0 = 0; r0 < r.n; r0 += step_rows) {
                 const int64_t nr = std::min(step_rows, r.n - r0);
@@ -160,7 +153,7 @@ kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, int64_t 
                         d.head_dim*fl, group*d.head_dim*fl, r.row_nb, r.offs + lt*r.layer_nb + r0*r.row_nb);
                 qs = ggml_cont(ctx, ggml_permute(ctx, qs, 0, 1, 3, 2));
                 qs = ggml_reshape_3d(ctx, qs, d.head_dim, group*nr, d.n_head_kv);
-                ggml_tensor * kq = ggml_mul_mat(ctx, k, qs); // [keys, group*rows, kv heads] f32
+                ggml_tensor * kq = ggml_mul_mat(ctx, k, qs); // [keys, group*rows, kv heads]
                 kq = ggml_soft_max_ext(ctx, kq, nullptr, scale, 0.0f);
                 ggml_tensor * best = ggml_pool_1d(ctx, kq, GGML_OP_POOL_MAX, n_ch, n_ch, 0); // [blocks, group*rows, kv heads]
                 best = ggml_reshape_2d(ctx, ggml_sqr(ctx, best), n_blocks, group*nr*d.n_head_kv);
@@ -176,7 +169,7 @@ kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, int64_t 
 }
 
 void kvmem_graph_scorer::reserve(const std::vector<rows_span> & largest) {
-    graph g = build(store.n_slots(), /*first_slot*/ -1, largest);
+    graph g = build(store.n_slots(), largest);
     GGML_ASSERT(ggml_gallocr_reserve(galloc, g.gf) && "kvmem: cannot allocate the scoring graph");
     ggml_free(g.ctx);
 }
@@ -207,24 +200,17 @@ void kvmem_graph_scorer::score(const std::vector<uint32_t> & slots, const std::v
         return;
     }
     const int64_t t0 = ggml_time_us();
-    // one history's blocks usually sit in consecutive slots (the pool hands out its lowest free slot first)
-    bool consecutive = true;
-    for (size_t i = 1; i < n_blocks && consecutive; ++i) {
-        consecutive = slots[i] == slots[0] + i;
-    }
-    graph g = build(n_blocks, consecutive ? (int64_t) slots[0] : -1, rows);
+    graph g = build(n_blocks, rows);
     GGML_ASSERT(ggml_gallocr_alloc_graph(galloc, g.gf) && "kvmem: cannot allocate the scoring graph");
     const int64_t t1 = ggml_time_us();
-    if (g.idx) {
-        idx_host.resize(n_blocks*n_ch*d.n_head_kv);
-        for (size_t i = 0; i < n_blocks*n_ch; ++i) {
-            idx_host[i] = (int32_t) (slots[i/n_ch]*n_ch + i % n_ch);
-        }
-        for (uint32_t kv = 1; kv < d.n_head_kv; ++kv) {
-            std::copy(idx_host.begin(), idx_host.begin() + n_blocks*n_ch, idx_host.begin() + kv*n_blocks*n_ch);
-        }
-        ggml_backend_tensor_set(g.idx, idx_host.data(), 0, ggml_nbytes(g.idx));
+    idx_host.resize(n_blocks*n_ch*d.n_head_kv);
+    for (size_t i = 0; i < n_blocks*n_ch; ++i) {
+        idx_host[i] = (int32_t) (slots[i/n_ch]*n_ch + i % n_ch);
     }
+    for (uint32_t kv = 1; kv < d.n_head_kv; ++kv) {
+        std::copy(idx_host.begin(), idx_host.begin() + n_blocks*n_ch, idx_host.begin() + kv*n_blocks*n_ch);
+    }
+    ggml_backend_tensor_set(g.idx, idx_host.data(), 0, ggml_nbytes(g.idx));
     const int64_t t2 = ggml_time_us();
     GGML_ASSERT(ggml_backend_graph_compute(backend, g.gf) == GGML_STATUS_SUCCESS);
     ggml_backend_tensor_get(g.total, out.data(), 0, out.size()*sizeof(float));

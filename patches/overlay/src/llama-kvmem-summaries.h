@@ -3,14 +3,12 @@
 // KVMem: block summaries where the working set lives, and the `mass` scorer as a ggml graph over them (kvmem-llama).
 //
 // Every host slot has room for its block's summary (the chunk means of the block's pre-RoPE keys, per tiered layer
-// and KV head) in bf16 tensors on the backend that holds the working set: VRAM on a GPU, host memory on the CPU. The
-// query rows are there too (llama-kvmem-queries.h); the graph (a mul_mat of the summaries and the f32 query rows
-// with f32 results, soft_max, a max pool over each block's chunks, sqr, sum) runs there, and only one score per
-// block comes back. Blocks in consecutive slots (one history, as the pool hands slots out) are a view of the store
-// and multiply as bf16 (tensor cores on a GPU); others are gathered as f32. The same graph runs on the CPU backend
-// (CI) as on CUDA. It computes what kvmem_scorer's `mass` computes on the host (llama-kvmem-score.cpp), from bf16
-// summaries (tests/test-kvmem-summaries.cpp compares the two, on both paths). The store is the summaries' only copy once a block
-// is in it: the cache reads one back (get) in the rare case that needs it (a truncation inside an old block).
+// and KV head) in f16 tensors on the backend that holds the working set: VRAM on a GPU, host memory on the CPU. The
+// query rows are there too (llama-kvmem-queries.h); the graph (get_rows, an f32 mul_mat, soft_max, a max pool over
+// each block's chunks, sqr, sum) runs there, and only one score per block comes back. The same graph runs on the
+// CPU backend (CI) as on CUDA. It computes what kvmem_scorer's `mass` computes on the host (llama-kvmem-score.cpp),
+// from f16 summaries (tests/test-kvmem-summaries.cpp compares the two). The store is the summaries' only copy once a
+// block is in it: the cache reads one back (get) in the rare case that needs it (a cut inside an old block).
 
 
 #include "llama-kvmem-score.h"
@@ -35,19 +33,19 @@ public:
     void init(ggml_backend_t backend, const kvmem_dims & dims, uint32_t n_chunks, uint32_t n_slots);
 
     // a block's summary in the host scorer's layout [layer][kv head][chunk][head_dim] into its slot: converted to
-    // bf16 in pinned memory and copied on the backend's stream without a wait (a 27B model's block is 64 copies;
+    // f16 in pinned memory and copied on the backend's stream without a wait (a 27B model's block is 64 copies;
     // one wait each cost ~1 ms per block while a long prompt was read); scoring on that stream comes after them
     void put(uint32_t slot, const float * summary);
     // waits for the puts (the host memory they read is reused after this)
     void flush();
-    // the summary in a slot, in the host scorer's layout (as put, rounded to bf16); waits for the device
+    // the summary in a slot, in the host scorer's layout (as put, rounded to f16); waits for the device
     std::vector<float> get(uint32_t slot);
 
     size_t bytes() const;
     uint32_t n_chunks() const { return n_ch; }
     uint32_t n_slots() const { return slots; }
     const kvmem_dims & dims() const { return d; }
-    ggml_tensor * layer(uint32_t lt) const { return keys[lt]; } // [head_dim, n_slots*n_chunks, n_head_kv] bf16
+    ggml_tensor * layer(uint32_t lt) const { return keys[lt]; } // [head_dim, n_slots*n_chunks, n_head_kv] f16
 
 private:
     kvmem_dims d;
@@ -57,11 +55,11 @@ private:
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
     std::vector<ggml_tensor *> keys;
-    // the puts' bf16 rows until they are copied: pinned where the device has host memory
+    // the puts' f16 rows until they are copied: pinned where the device has host memory
     ggml_backend_buffer_t put_buf = nullptr;
-    std::vector<ggml_bf16_t> put_plain;
-    ggml_bf16_t * put_base = nullptr;
-    size_t put_cap = 0;   // bf16 values
+    std::vector<ggml_fp16_t> put_plain;
+    ggml_fp16_t * put_base = nullptr;
+    size_t put_cap = 0;   // f16 values
     size_t put_used = 0;  // since the last wait
 };
 
@@ -118,8 +116,7 @@ private:
         ggml_tensor * idx = nullptr, * total = nullptr;
         uint32_t n_steps = 0;
     };
-    // first_slot >= 0: the blocks are in slots first_slot, first_slot + 1, ... (a view); else gathered by idx
-    graph build(size_t n_blocks, int64_t first_slot, const std::vector<rows_span> & rows);
+    graph build(size_t n_blocks, const std::vector<rows_span> & rows);
 
     ggml_backend_t backend;
     const kvmem_summary_store & store;

@@ -1,6 +1,4 @@
-// The graph scorer over bf16 summaries on a backend (the CPU, or KVMEM_TEST_DEVICE) ranks as the host `mass` scorer
-// does, on both of its paths: blocks in scattered slots (gathered, f32 products) and in consecutive slots (a view of
-// the store, bf16 products); the store gives back what was put, rounded to bf16.
+// The graph scorer over f16 summaries on a backend (the CPU, or KVMEM_TEST_DEVICE) ranks as the host `mass` scorer does.
 
 #include "test-kvmem.h"
 
@@ -107,53 +105,17 @@ KV_SUITE(summaries) {
     for (int b = 0; b < n_blocks; ++b) {
         worst = std::max(worst, std::fabs(host[b] - dev_scores[b])/std::max(1e-6, (double) std::fabs(host[b])));
     }
-    KV_CHECK(worst < 2e-2); // bf16 summaries
+    KV_CHECK(worst < 2e-2); // f16 summaries
     KV_CHECK(store.bytes() == (size_t) 2*2*40*4*16*2);
 
-    // the store gives back each block's summary as put, rounded to bf16 (8 significant bits)
+    // the store gives back each block's summary as put, rounded to f16 (11 significant bits)
     for (const int b : { 0, 9, 23 }) {
         const std::vector<float> back = store.get(slots[b]);
-        KV_CHECK(back.size() == sums[b].size());
         bool close = back.size() == sums[b].size();
         for (size_t i = 0; close && i < back.size(); ++i) {
-            close = std::fabs(back[i] - sums[b][i]) <= std::fabs(sums[b][i])/128.0f;
+            close = std::fabs(back[i] - sums[b][i]) <= std::fabs(sums[b][i])/1024.0f + 1e-7f;
         }
         KV_CHECK(close);
-    }
-
-    // the same blocks in consecutive slots of another store: a view, bf16 products; the same ranking, scores within
-    // the rounding of the query rows to bf16 as well
-    {
-        kvmem_summary_store run;
-        run.init(be, d, n_ch, 40);
-        std::vector<uint32_t> consecutive(n_blocks);
-        std::iota(consecutive.begin(), consecutive.end(), 5u);
-        for (int b = 0; b < n_blocks; ++b) {
-            run.put(consecutive[b], sums[b].data());
-        }
-        kvmem_graph_scorer viewed(be, run);
-        const backend_rows qv(be, d, q);
-        std::vector<float> vs;
-        viewed.score(consecutive, { qv.span(0, n_rows) }, vs);
-        KV_CHECK(vs.size() == (size_t) n_blocks);
-        const auto vo = order(vs);
-        KV_CHECK(vo[0] == 9 && vo[1] == 17);
-        double worst_v = 0.0;
-        for (int b = 0; b < n_blocks; ++b) {
-            worst_v = std::max(worst_v, std::fabs(host[b] - vs[b])/std::max(1e-6, (double) std::fabs(host[b])));
-        }
-        KV_CHECK(worst_v < 4e-2);
-        // a gap in the slots takes the gathered path: the same scores as the scattered store's, block for block
-        std::vector<uint32_t> gapped = consecutive;
-        gapped.back() += 3;
-        run.put(gapped.back(), sums[n_blocks - 1].data());
-        std::vector<float> gs;
-        viewed.score(gapped, { qv.span(0, n_rows) }, gs);
-        bool same_as_gathered = gs.size() == dev_scores.size();
-        for (size_t b = 0; same_as_gathered && b < gs.size(); ++b) {
-            same_as_gathered = std::fabs(gs[b] - dev_scores[b]) <= 1e-5f*std::max(1.0f, std::fabs(dev_scores[b]));
-        }
-        KV_CHECK(same_as_gathered);
     }
 
     // query rows in two spans (the turn's, then the newest generated tokens') score as one
