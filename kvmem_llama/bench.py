@@ -14,8 +14,9 @@ Per repeat it records decode tok/s over the whole generation (the generation-tim
 part of the server log that this repeat wrote: each re-selection's ms (reason refresh/room), the turn
 selection's ms (reason=turn; a `fits=1` line, nothing to select, counts with 0 ms), its stage-in ms,
 GB/s and staged blocks. Per server: peak GPU memory (nvidia-smi), the KV buffer the engine allocated
-(its log), peak host RSS, peak anonymous + shared RSS (RssAnon + RssShmem: RSS less the model file's pages)
-and the host KV pool the engine reserved (ARMED's host_mib; pinned memory, which RSS does not count).
+(its log), peak host RSS, peak anonymous + shared RSS (RssAnon + RssShmem: RSS less the model file's pages;
+the pinned host KV pool is counted there, as RssShmem, on the H200) and the host KV pool the engine reserved
+(ARMED's host_mib).
 
 Results are one row per repeat (`repeat` 0..n-1), so the report's min and median are over repeats;
 the rows of one server share `server_run` and, with `prefill_shared`, the one turn-1 prefill
@@ -405,9 +406,9 @@ TABLE_NOTE = ("runs: repeats of turn 2 that did not fail; servers: server runs a
               "the most prompt tokens a repeat's turn 2 read (~512 when the prompt cache kept the prefix). "
               "turn select ms (scoring, planning and staging), score ms, stage ms and stage-in GB/s: turn 2's "
               "selections at the end of its prompt (medians over repeats), GB/s in brackets turn 1's (over servers). "
-              "host RSS MiB: peak resident memory, in brackets its anonymous part (RssAnon + RssShmem, without the "
-              "model file's pages); host KV pool MiB: what the engine reserved for the pool (pinned on a GPU, which "
-              "RSS does not count), so host KV memory is the pool plus the anonymous part's growth.")
+              "host RSS MiB: peak resident memory, in brackets RssAnon + RssShmem (without the model file's pages; "
+              "the pinned host KV pool is counted there); host KV pool MiB: what the engine reserved for the pool. "
+              "Host KV memory at a context: the bracket less tiering-off's at the same context.")
 
 
 def markdown_table(rows: list[dict]) -> str:
