@@ -39,7 +39,9 @@ run)
     echo "build ${flavour:-ours}: $(( $(date +%s) - start )) s" | tee -a "$OUT/host.txt"
   done
   kvmem engines --json > "$OUT/engines.json"
-  # the stager's and the scorer's graphs on CUDA against the host's results (test-kvmem, built in the CUDA tree)
+  # the stager's and the scorer's graphs on CUDA against the host's results (test-kvmem, built in the CUDA tree);
+  # SUITES=0 skips them and the stager benchmark
+  if [ "${SUITES:-1}" != 0 ]; then
   # (a source pack carries no tests/ folder: the overlay's test files are copied into the unpacked tree)
   build=$(ls -d ~/.cache/kvmem/trees/*/build-cuda-* | head -1); src=$(dirname "$build")/src
   mkdir -p "$src/tests" && cp -rn patches/overlay/tests/. "$src/tests/"
@@ -47,6 +49,7 @@ run)
   for suite in stager summaries queries readback; do KVMEM_TEST_DEVICE=CUDA0 "$build/bin/test-kvmem" $suite 2>&1 | grep -v load_backend; done | tee "$OUT/cuda-suites.txt"
   # the stager's stage-in throughput by staging size, next to plain copies of the same slots (no model)
   KVMEM_TEST_DEVICE=CUDA0 "$build/bin/bench-kvmem-stager" "$OUT/stager-bench.json" 2>&1 | grep -v load_backend | tee "$OUT/stager-bench.txt"
+  fi
   # shellcheck disable=SC2086
   REPEATS=${REPEATS:-3} bash packaging/device/bench-cells.sh $CELLS
   echo "ALL DONE" ;;
