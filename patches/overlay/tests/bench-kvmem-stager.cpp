@@ -65,15 +65,8 @@ struct setup {
         ggml_init_params params = { (2*N_LAYERS + 1)*ggml_tensor_overhead(), nullptr, true };
         ctx = ggml_init(params);
         for (uint32_t il = 0; il < N_LAYERS; ++il) {
-            kvmem_layer_rows l;
-            l.il = il;
-            l.k = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, N_PER_ROW, N_CELLS);
-            l.v = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, N_PER_ROW, N_CELLS);
-            l.row_k = l.row_v = ggml_row_size(GGML_TYPE_F16, N_PER_ROW);
-            l.hrow_k = l.hrow_v = ggml_row_size(pool, N_PER_ROW);
-            l.pool_k = l.pool_v = pool;
-            layers.push_back(l);
-            slot_bytes += (size_t) BLOCK*(l.hrow_k + l.hrow_v);
+            layers.push_back(kvtest::f16_layer(ctx, il, N_PER_ROW, N_CELLS, pool));
+            slot_bytes += (size_t) BLOCK*(layers.back().hrow_k + layers.back().hrow_v);
         }
         ws_buf = ggml_backend_alloc_ctx_tensors(ctx, be);
         ggml_backend_dev_t dev = ggml_backend_get_device(be);

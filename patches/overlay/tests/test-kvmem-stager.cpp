@@ -25,14 +25,7 @@ struct working_set {
         ggml_init_params params = { 2*N_LAYERS*ggml_tensor_overhead(), nullptr, true };
         ctx = ggml_init(params);
         for (uint32_t il = 0; il < N_LAYERS; ++il) {
-            kvmem_layer_rows l;
-            l.il = il;
-            l.k = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, N_PER_ROW, N_CELLS);
-            l.v = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, N_PER_ROW, N_CELLS);
-            l.row_k = l.row_v = ggml_row_size(GGML_TYPE_F16, N_PER_ROW);
-            l.hrow_k = l.hrow_v = ggml_row_size(pool, N_PER_ROW);
-            l.pool_k = l.pool_v = pool;
-            layers.push_back(l);
+            layers.push_back(kvtest::f16_layer(ctx, il, N_PER_ROW, N_CELLS, pool));
         }
         buf = ggml_backend_alloc_ctx_tensors(ctx, be);
         ggml_backend_buffer_clear(buf, 0);

@@ -36,6 +36,7 @@ struct registrar {
     static void kvsuite_##name()
 
 #include "ggml-backend.h"
+#include "llama-kvmem-pool.h"
 
 #include <cstdlib>
 
@@ -53,6 +54,19 @@ inline ggml_backend_t graph_backend() {
     }
     std::fprintf(stderr, "graphs on %s\n", ggml_backend_dev_name(dev));
     return ggml_backend_dev_init(dev, nullptr);
+}
+
+// one tiered layer of an f16 working set of n_cells cells over a host pool of type `pool` (tensors in ctx, not
+// allocated)
+inline kvmem_layer_rows f16_layer(ggml_context * ctx, uint32_t il, int64_t n_per_row, int64_t n_cells, ggml_type pool) {
+    kvmem_layer_rows l;
+    l.il = il;
+    l.k = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_per_row, n_cells);
+    l.v = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_per_row, n_cells);
+    l.row_k = l.row_v = ggml_row_size(GGML_TYPE_F16, n_per_row);
+    l.hrow_k = l.hrow_v = ggml_row_size(pool, n_per_row);
+    l.pool_k = l.pool_v = pool;
+    return l;
 }
 
 } // namespace kvtest
