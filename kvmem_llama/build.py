@@ -217,6 +217,9 @@ def patched_tree(pin: Pin, series: Series, log: Callable[[str], None] = print) -
         shutil.copytree(upstream, staging, dirs_exist_ok=True)
         log(f"applying {len(series.names)} patch(es) + {len(series.overlay_files())} overlay file(s)")
         apply_series(staging, series)
+        if Series(series.directory, list(series.names)).hash() != series.hash():  # the files as they are now
+            raise BuildError(f"the patch series in {series.directory} changed while the tree was being patched",
+                             hint="run the build again once the files are saved")
         marker = {"pin": pin.sha256, "series": series.hash(), "patches": series.names}
         (staging / TREE_MARKER).write_text(json.dumps(marker, indent=2), encoding="utf-8")
     return src

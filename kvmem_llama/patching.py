@@ -52,6 +52,9 @@ class FilePatch:
 class Series:
     directory: Path
     names: list[str]
+    # the hash as first computed: a build keys its tree, build dir and engine by it from start to end, even when the
+    # files are edited meanwhile (patched_tree checks that the tree it made is the one hashed)
+    _digest: str | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def overlay_dir(self) -> Path:
@@ -68,7 +71,13 @@ class Series:
         )
 
     def hash(self) -> str:
-        """sha256 over the series, every patch and every overlay file (path + bytes)."""
+        """sha256 over the series, every patch and every overlay file (path + bytes), as they were at this
+        object's first call (`load_series` again for the files as they are now)."""
+        if self._digest is None:
+            self._digest = self._hash_files()
+        return self._digest
+
+    def _hash_files(self) -> str:
         digest = hashlib.sha256()
         for name in self.names:
             digest.update(f"patch:{name}\n".encode())

@@ -112,6 +112,17 @@ def test_series_hash_covers_patches_and_overlay(tmp_path: Path) -> None:
     assert len({first, second, third}) == 3
 
 
+def test_a_series_keeps_the_hash_it_first_computed(tmp_path: Path) -> None:
+    """A build keys its tree, build dir and engine by one series object's hash from start to end: an overlay file
+    saved while it compiles must not move it to another tree's build dir halfway (that once failed a build with
+    "the server embeds no UI files" and could have installed an engine under the edited series' key)."""
+    root = write_series(tmp_path / "p", {"0001-good.patch": GOOD_PATCH}, {"src/ours.h": "a\n"})
+    series = load_series(root)
+    before = series.hash()
+    (root / "overlay/src/ours.h").write_text("b\n")
+    assert series.hash() == before != load_series(root).hash()
+
+
 def test_series_lists_only_existing_patch_files(tmp_path: Path) -> None:
     root = write_series(tmp_path / "p", {"0001-good.patch": GOOD_PATCH})
     (root / "series").write_text("0001-good.patch\n0002-missing.patch\n")
