@@ -43,9 +43,10 @@ from pathlib import Path
 import httpx
 import psutil
 
+from kvmem_llama import kvmem_log
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.evaluation.records import ServerLog
-from kvmem_llama.kvmem_log import parse_armed, parse_select
+from kvmem_llama.kvmem_log import parse_select
 from kvmem_llama.serving.process import LOOPBACK, ServerProcess, free_port, llama_server_argv
 
 TURN2_TOKENS = 512
@@ -159,22 +160,16 @@ def _complete(http: httpx.Client, tokens: list[int], n_predict: int) -> dict:
     return reply.json()
 
 
-def _host_pool_mib(text: str) -> float | None:
-    """The host KV pool's MiB from the ARMED line, None without one (tiering off)."""
-    pool = None
-    for line in text.splitlines():
-        if (armed := parse_armed(line)) and "host_mib" in armed:
-            pool = float(armed["host_mib"])
-    return pool
+def _block_bytes(armed: dict | None) -> int:
+    """K + V of one block over all tiered layers at f16 (2 bytes), from the ARMED event; 0 without one."""
+    if armed is None:
+        return 0
+    return armed["block_tokens"] * armed["layers"] * armed["kv_heads"] * armed["head_dim"] * 2 * 2
 
 
-def _block_bytes(text: str) -> int:
-    """K + V of one block over all tiered layers at f16 (2 bytes), from the ARMED line; 0 without one."""
-    block_bytes = 0
-    for line in text.splitlines():
-        if armed := parse_armed(line):
-            block_bytes = armed["block_tokens"] * armed["layers"] * armed["kv_heads"] * armed["head_dim"] * 2 * 2
-    return block_bytes
+def _host_pool_mib(armed: dict | None) -> float | None:
+    """The host KV pool's MiB from the ARMED event, None without one (tiering off)."""
+    return float(armed["host_mib"]) if armed and "host_mib" in armed else None
 
 
 def record_selections(text: str, result: BenchResult, block_bytes: int) -> None:
@@ -272,8 +267,8 @@ def run_cell(server: Path, model: Path, config: str, context: int, server_args: 
             log.segment(turn1_start, settle=0.0 if turn1_row.error else REQUEST_DONE_WAIT_S)
             text = log.read(0)
             kv_buffer_mib = sum(float(m) for m in KV_BUFFER.findall(text))
-            block_bytes = _block_bytes(text)
-            host_pool_mib = _host_pool_mib(text)
+            armed = kvmem_log.armed(text)
+            block_bytes, host_pool_mib = _block_bytes(armed), _host_pool_mib(armed)
             record_selections(text, turn1_row, block_bytes)
             turn1_selections = {key: getattr(turn1_row, key) for key in SELECTION_FIELDS}
             setup_s = round(time.monotonic() - started, 1)
