@@ -78,9 +78,9 @@ ggml_backend_t kvmem_cpu_backend(int n_threads) {
     return be;
 }
 
-// staging memory on the working set's backend: two halves of 4 blocks of a 27B model's 16 attention layers in f16
-// (the H200 staged 37-38 GB/s with it, ~0.87 ms per 32 MiB round where the copies alone take 0.62 ms;
-// tests/bench-kvmem-stager.cpp measures the stager alone at several sizes; the planner counts this size)
+// staging memory on the working set's backend: two halves of 4 blocks of a 27B model's 16 attention layers in f16.
+// More buys little: the stager alone moved 41.9 / 43.3 / 44.0 GB/s with 64 / 128 / 256 MiB on the H200, plain copies
+// 54.2 (tests/bench-kvmem-stager.cpp, docs/bench/2026-12-03-bf16-scoring); the planner counts this size
 static constexpr size_t KVMEM_STAGING_BYTES = (size_t) 64 << 20;
 
 kvmem_copier::kvmem_copier() = default;

@@ -10,8 +10,6 @@
 
 #include "llama-kvmem-stager.h"
 
-#include "ggml-alloc.h"
-
 #include <algorithm>
 #include <cstdio>
 #include <functional>
