@@ -11,6 +11,7 @@
     kvmem_score: DRAFT follows the target's selection: blocks=.. layers=.. host_mib=..
     kvmem_score: DISABLED (<reason>)
     kvmem_trace: resident seq=.. pos=.. reason=.. layers=.. blocks=<ranges>       (with --kvmem-trace)
+    kvmem_trace: ranked seq=.. reason=.. attention=<blocks> lexical=<blocks>     (with --kvmem-trace)
 
 SELECT is a selection of the blocks of one sequence: `reason` is turn (a prompt's end), refresh or room
 (during generation), or prefill (inside a prompt, retrieval prefill mode); `pos` the position from which
@@ -220,3 +221,28 @@ def residents(lines: Iterable[str] | str) -> list[dict]:
     if isinstance(lines, str):
         lines = lines.splitlines()
     return [e for line in lines if "kvmem_trace:" in line and (e := parse_resident(line)) is not None]
+
+
+_RANKED = re.compile(r"kvmem_trace:\s+ranked\s+seq=(?P<seq>\d+)\s+reason=(?P<reason>\S+)"
+                     r"\s+attention=(?P<attention>[\d,]*)\s+lexical=(?P<lexical>[\d,]*)\s*$")
+
+
+def parse_ranked(line: str) -> dict | None:
+    """`{"event": "RANKED", "seq": int, "reason": str, "attention": [blocks], "lexical": [blocks]}`.
+
+    From `kvmem_trace: ranked ...`: the orders a selection picked from, best first (blocks outside the sink,
+    the question and the recent window; lexical only for hybrid). None for other lines.
+    """
+    match = _RANKED.search(line)
+    if match is None:
+        return None
+    order = lambda text: [int(b) for b in text.split(",") if b]  # noqa: E731
+    return {"event": "RANKED", "seq": int(match["seq"]), "reason": match["reason"],
+            "attention": order(match["attention"]), "lexical": order(match["lexical"])}
+
+
+def rankings(lines: Iterable[str] | str) -> list[dict]:
+    """Every `kvmem_trace: ranked` event of a log, in order."""
+    if isinstance(lines, str):
+        lines = lines.splitlines()
+    return [e for line in lines if "kvmem_trace:" in line and (e := parse_ranked(line)) is not None]

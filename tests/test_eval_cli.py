@@ -192,6 +192,10 @@ def test_eval_jobs_run_configurations_at_once_with_the_same_results(cpu_engine, 
         # 90% is resident after the turn's selection, the one at 10% is not
         assert hit == {90: True, 10: False}, tiered
         assert all(r["selects_hit"] is not None for r in tiered)
+    if "kvmem_trace: ranked" in trace:  # engines with the ranked trace line
+        rank = {r["depth"]: r["answer_rank"] for r in tiered}
+        # the needle at 90% is in the recent window (kept by rule, not ranked); the one at 10% was ranked, not picked
+        assert rank[90] == 0 and rank[10] >= 1, tiered
 
 
 def test_eval_run_refuses_a_length_beyond_the_training_context(tmp_path: Path) -> None:

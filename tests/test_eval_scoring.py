@@ -264,6 +264,7 @@ def test_summary_reports_the_hit_rate_next_to_the_score() -> None:
     for i in range(10):  # 10 samples: 6 found; the answer block was resident in 7 of the 9 with a trace
         r = _record("1/8 votes", "niah_single_essay", 8192, 50, i, 100.0 if i < 6 else 0.0)
         r["turn_resident_hit"] = None if i == 9 else i < 7
+        r["answer_rank"] = None if i == 9 else i  # places 0..8: median 4
         records.append(r)
     records.append(_record("off", "niah_single_essay", 8192, 50, 0, 100.0))  # off: no trace, no hit
     s = summarize(records)
@@ -279,6 +280,8 @@ def test_summary_reports_the_hit_rate_next_to_the_score() -> None:
     data = to_json(s)
     cell = next(c for c in data["cells"] if c["config"] == "1/8 votes")
     assert cell["turn_resident_hit"]["n"] == 9 and cell["score"]["n"] == 10
+    assert cell["answer_rank"] == {"median": 4, "max": 8, "n": 9}
+    assert next(c for c in data["cells"] if c["config"] == "off")["answer_rank"] is None
 
 
 def test_server_context_stops_at_the_training_context(tmp_path: Path) -> None:

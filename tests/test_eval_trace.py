@@ -39,6 +39,15 @@ def test_parse_resident() -> None:
     assert kvmem_log.parse_resident(SELECT.format(staged=1, reason="turn")) is None
 
 
+def test_parse_ranked() -> None:
+    got = kvmem_log.parse_ranked("0.28.011.620 W kvmem_trace: ranked seq=1 reason=turn attention=7,3,12 lexical=3")
+    assert got == {"event": "RANKED", "seq": 1, "reason": "turn", "attention": [7, 3, 12], "lexical": [3]}
+    empty = kvmem_log.parse_ranked("kvmem_trace: ranked seq=0 reason=refresh attention= lexical=")
+    assert empty is not None and empty["attention"] == [] and empty["lexical"] == []
+    assert kvmem_log.parse_ranked("kvmem_trace: resident seq=0 pos=1 reason=turn blocks=1") is None
+    assert kvmem_log.parse_ranked("kvmem_trace: ranked seq=0 reason=turn attention=a,b lexical=") is None
+
+
 def test_select_parser_tolerates_new_keys() -> None:
     # reason= and method= at the end of SELECT (engines with the trace) must not break the existing parser
     got = kvmem_log.parse_select("srv  kvmem: " + SELECT.format(staged=6, reason="turn"))
@@ -58,21 +67,25 @@ def test_trace_fields_of_a_request() -> None:
     seg = _segment(
         "slot launch_slot_: id  0 | task 7 | processing task",
         SELECT.format(staged=6, reason="turn"),
+        "kvmem_trace: ranked seq=0 reason=turn attention=10,9,11,3,40 lexical=",
         "kvmem_trace: resident seq=0 pos=8190 reason=turn blocks=0,9-11,61-63",
         SELECT.format(staged=1, reason="refresh"),
+        "kvmem_trace: ranked seq=0 reason=refresh attention=3,10,9 lexical=",
         "kvmem_trace: resident seq=0 pos=8318 reason=refresh blocks=0,10-11,62-64",
         "slot      release: id  0 | task 7 | stop processing: n_tokens = 8330, truncated = 0",
     )
     # answers at positions 1200 and 1300 with 128-token blocks: blocks 9 and 10
     got = trace_fields(seg, 128, [1300, 1200])
-    assert got == {"answer_blocks": [9, 10], "turn_resident_hit": True, "selects": 2, "selects_hit": 1,
-                   "staged_in": 6}
-    miss = trace_fields(seg, 128, [500])  # block 3: never resident
-    assert miss["turn_resident_hit"] is False and miss["selects_hit"] == 0
+    assert got == {"answer_blocks": [9, 10], "turn_resident_hit": True, "answer_rank": 2, "selects": 2,
+                   "selects_hit": 1, "staged_in": 6}
+    miss = trace_fields(seg, 128, [500])  # block 3: never resident, fourth in the turn's order
+    assert miss["turn_resident_hit"] is False and miss["selects_hit"] == 0 and miss["answer_rank"] == 4
+    # a block kept by rule (the recent window's 63) is not ranked: 0
+    assert trace_fields(seg, 128, [63 * 128])["answer_rank"] == 0
     # tiering off (no ARMED line, so no block size) or no trace lines: unknown, not a miss
     off = trace_fields("slot release: stop processing\n", None, [1200])
-    assert off == {"answer_blocks": None, "turn_resident_hit": None, "selects": 0, "selects_hit": None,
-                   "staged_in": None}
+    assert off == {"answer_blocks": None, "turn_resident_hit": None, "answer_rank": None, "selects": 0,
+                   "selects_hit": None, "staged_in": None}
     untraced = trace_fields(_segment(SELECT.format(staged=3, reason="turn")), 128, [1200])
     assert untraced["turn_resident_hit"] is None and untraced["selects"] == 1 and untraced["staged_in"] == 3
     # an engine before reason= keys: the turn SELECT is the first one

@@ -127,6 +127,15 @@ class ServerLog:
         return self._block_tokens
 
 
+def answer_rank(order: list[int], blocks: list[int]) -> int:
+    """The worst place (1 = best) of the answer blocks in the turn's attention order; 0 when none was ranked.
+
+    Blocks the selection keeps by rule (sink, question, recent window) are not ranked: they count as 0.
+    """
+    place = {b: i + 1 for i, b in enumerate(order)}
+    return max((place.get(b, 0) for b in blocks), default=0)
+
+
 def trace_fields(segment: str, block_tokens: int | None, positions: list[int] | None) -> dict:
     """Hit-rate fields of one request from its log segment (see docs/eval/README.md)."""
     sels = kvmem_log.selects(segment)
@@ -134,10 +143,12 @@ def trace_fields(segment: str, block_tokens: int | None, positions: list[int] | 
     blocks = sorted({p // block_tokens for p in positions}) if positions and block_tokens else None
     turn = next((r for r in res if r["reason"] == "turn"), None)
     turn_select = next((e for e in sels if e.get("reason") == "turn"), sels[0] if sels else None)
+    ranked = next((e for e in kvmem_log.rankings(segment) if e["reason"] == "turn"), None)
     want = set(blocks or ())
     return {
         "answer_blocks": blocks,
         "turn_resident_hit": None if turn is None or blocks is None else want <= turn["blocks"],
+        "answer_rank": None if ranked is None or blocks is None else answer_rank(ranked["attention"], blocks),
         "selects": len(sels),
         "selects_hit": None if not res or blocks is None else sum(1 for r in res if want <= r["blocks"]),
         "staged_in": None if turn_select is None else turn_select.get("staged_in"),

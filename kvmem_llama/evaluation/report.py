@@ -10,6 +10,7 @@ the tasks' samples are not one population). summary.json holds the same numbers.
 from __future__ import annotations
 
 import json
+import statistics
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ class Summary:
     estimates: dict[tuple[str, str, int], Estimate] = field(default_factory=dict)
     # (config, task, length) -> share of samples with every answer block resident after the turn selection
     hits: dict[tuple[str, str, int], Estimate] = field(default_factory=dict)
+    # (config, task, length) -> the answer blocks' place in the turn's attention order, per traced sample
+    ranks: dict[tuple[str, str, int], list[int]] = field(default_factory=dict)
 
     @property
     def has_hits(self) -> bool:
@@ -65,9 +68,12 @@ def summarize(records: list[dict], order: list[str] | None = None) -> Summary:
     by_depth: dict[tuple[str, str, int, int], list[float]] = defaultdict(list)
     lat: dict[str, list[float]] = defaultdict(list)
     hit_flags: dict[tuple[str, str, int], list[bool | None]] = defaultdict(list)
+    ranks: dict[tuple[str, str, int], list[int]] = defaultdict(list)
     for r in records:
         scores[(r["config"], r["task"], int(r["length"]))].append(float(r["score"]))
         hit_flags[(r["config"], r["task"], int(r["length"]))].append(r.get("turn_resident_hit"))
+        if r.get("answer_rank") is not None:
+            ranks[(r["config"], r["task"], int(r["length"]))].append(int(r["answer_rank"]))
         if r.get("depth") is not None:
             by_depth[(r["config"], r["task"], int(r["depth"]), int(r["length"]))].append(float(r["score"]))
         if r.get("latency_s") is not None:
@@ -89,7 +95,7 @@ def summarize(records: list[dict], order: list[str] | None = None) -> Summary:
     latency = {c: sum(v) / len(v) for c, v in lat.items() if v}
     estimates = {k: e for k, v in scores.items() if (e := estimate(v)) is not None}
     hits = {k: e for k, v in hit_flags.items() if (e := proportion(v)) is not None}
-    return Summary(configs, tasks, lengths, cell, overall, depth, depths, latency, estimates, hits)
+    return Summary(configs, tasks, lengths, cell, overall, depth, depths, latency, estimates, hits, dict(ranks))
 
 
 def to_json(summary: Summary) -> dict:
@@ -97,8 +103,11 @@ def to_json(summary: Summary) -> dict:
     cells = []
     for (c, t, n), e in summary.estimates.items():
         hit = summary.hits.get((c, t, n))
+        ranks = summary.ranks.get((c, t, n))
         cells.append({"config": c, "task": t, "length": n, "score": e.as_dict(),
-                      "turn_resident_hit": hit.as_dict() if hit else None})
+                      "turn_resident_hit": hit.as_dict() if hit else None,
+                      "answer_rank": {"median": statistics.median(ranks), "max": max(ranks), "n": len(ranks)}
+                      if ranks else None})
     return {
         "interval": "95% Wilson score interval on the mean, each sample's score/100 counted as its success "
                     "fraction, n = samples; the hit rate counts samples with a known turn_resident_hit",

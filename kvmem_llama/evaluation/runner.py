@@ -187,8 +187,8 @@ class Evaluation:
         if segment is not None:
             record.update(trace_fields(segment, block_tokens, positions))
         else:
-            record.update({"answer_blocks": None, "turn_resident_hit": None, "selects": None, "selects_hit": None,
-                           "staged_in": None})
+            record.update({"answer_blocks": None, "turn_resident_hit": None, "answer_rank": None, "selects": None,
+                           "selects_hit": None, "staged_in": None})
         record["block_tokens"] = block_tokens
         record["time"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         record["python"] = corpus.corpus_info()["python"]

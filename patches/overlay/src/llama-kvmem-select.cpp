@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 
 // hybrid picks: a question token's weight halves every this many tokens before the question's end (measured
 // offline on 30 samples each of niah_single_essay/multikey/followup at 7.8K tokens, SmolLM2 tokenizer, 128-token
@@ -137,6 +138,21 @@ static std::vector<std::pair<float, int32_t>> kvmem_rank_blocks(const kvmem_seq 
     return ranked;
 }
 
+// the orders a selection picks from (blocks outside the sink, question and recent window, best first): why a block
+// was or was not picked, for the eval's answer-block rank (kvmem_llama/evaluation/records.py)
+static void kvmem_trace_ranked(llama_seq_id seq_id, kvmem_reason reason, const std::vector<std::pair<float, int32_t>> & ranked,
+        const std::vector<std::pair<float, int32_t>> & lex) {
+    auto list = [](const std::vector<std::pair<float, int32_t>> & order) {
+        std::string out;
+        for (const auto & [score, b] : order) {
+            out += (out.empty() ? "" : ",") + std::to_string(b);
+        }
+        return out;
+    };
+    LLAMA_LOG_WARN("kvmem_trace: ranked seq=%d reason=%s attention=%s lexical=%s\n", seq_id, kvmem_reason_name(reason),
+            list(ranked).c_str(), list(lex).c_str());
+}
+
 kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, uint32_t share, kvmem_reason reason,
         const kvmem_scorer & scorer, const kvmem_score_fn & score_fn, uint32_t query_tokens, bool trace,
         llama_seq_id seq_id) {
@@ -151,6 +167,9 @@ kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, 
     std::vector<std::pair<float, int32_t>> lex;
     if (scorer.lexical() && plan.n_rows > 0 && !st.turn.tokens.empty()) {
         lex = st.lexicon.rank(st.turn.tokens, plan.target);
+    }
+    if (trace) {
+        kvmem_trace_ranked(seq_id, reason, ranked, lex);
     }
     // inside a prompt (retrieval prefill) the picks take at most half: the newest blocks are the other half
     const size_t n_fixed = plan.target.size();
