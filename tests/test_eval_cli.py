@@ -198,6 +198,17 @@ def test_eval_jobs_run_configurations_at_once_with_the_same_results(cpu_engine, 
         assert rank[90] == 0 and rank[10] >= 1, tiered
 
 
+def test_eval_run_refuses_a_budget_the_engine_would_refuse(tmp_path: Path) -> None:
+    """1/32 of 2K is 64 tokens, less than the sink + recent window + two blocks: said before any server starts."""
+    proc = kvmem("eval", "--run", "smollm2", "--budgets", "0,hybrid:1/32,1024", "--tasks", "niah_single_noise",
+                 "--lengths", "2k,7k", "--depths", "50", "--samples", "1", "--out", str(tmp_path / "small"), timeout=60)
+    assert proc.returncode != 0
+    said = " ".join(proc.stderr.split())  # the console wraps long lines
+    assert "1/32 hybrid at 2048 (64 tokens), 1/32 hybrid at 7168 (224 tokens);" in said, said
+    assert "at least 640 tokens" in said and "1024" not in said.split("hint")[0], said
+    assert "ready at" not in proc.stdout  # no server was started
+
+
 def test_eval_run_refuses_a_length_beyond_the_training_context(tmp_path: Path) -> None:
     """SmolLM2 was trained on 8192 tokens: an 8k prompt + answer does not fit; said before any server starts."""
     proc = kvmem("eval", "--run", "smollm2", "--budgets", "0,recency:1/8", "--tasks", "niah_single_noise",

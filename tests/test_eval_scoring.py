@@ -103,6 +103,14 @@ def test_budgets_take_any_method_name_and_engine_options() -> None:
         parse_budgets("1/8", "Bad-Method")
 
 
+def test_min_budget_follows_the_engine_options() -> None:
+    default, small_blocks, odd = parse_budgets("1/8,1/16:block=64:sink=64:recent=128,1/8:sink=1:recent=257")
+    assert default.min_budget() == 640  # sink 1 block + recent 2 blocks + one retrieved + the partial tail
+    assert small_blocks.min_budget() == (1 + 2 + 2) * 64
+    assert odd.min_budget() == (1 + 3 + 2) * 128  # partial blocks round up, as in the engine
+    assert parse_budgets("1/8:block=x")[0].min_budget() == 0  # not a number: the engine's own check says so
+
+
 def test_eval_servers_get_one_slot_and_the_trace() -> None:
     tiered, off = parse_budgets("recency:1/8,0")
     assert eval_args(tiered, 8192) == ["--kvmem-budget", "1024", "--kvmem-method", "recency", "--kvmem-trace",

@@ -91,6 +91,18 @@ class SilentReporter:
         pass
 
 
+def _check_budgets(work: list[ServerJob]) -> None:
+    """A budget the engine would refuse stops the run before any server starts (not after the others' results)."""
+    small = [(job.config, n) for job in work if not job.config.off for n in job.lengths
+             if job.config.budget_tokens(n) < job.config.min_budget()]
+    if small:
+        cells = ", ".join(f"{c.label} at {n} ({c.budget_tokens(n)} tokens)" for c, n in small)
+        least = max(c.min_budget() for c, _ in small)
+        raise KvmemError(f"a KV budget is too small for the engine: {cells}; it needs at least {least} tokens "
+                         "(the sink and the recent window in whole blocks, one retrieved block and the partial tail)",
+                         hint="use a larger budget for those lengths, longer lengths, or a second run for them")
+
+
 @dataclass(frozen=True)
 class ServerJob:
     """One server of a `--run`: a configuration at the lengths it serves."""
@@ -289,6 +301,7 @@ class Evaluation:
         self._n_ctx_train = training_context(model) if work else None
         for job in work:  # a length the model cannot take stops the run before any server starts
             self._server_ctx(job.lengths)
+        _check_budgets(work)
         stop = threading.Event()
         if jobs <= 1 or len(work) <= 1:
             for job in work:

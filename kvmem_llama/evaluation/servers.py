@@ -32,6 +32,10 @@ METHOD_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 OPTION_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
 
 
+# the engine's defaults for --kvmem-block, --kvmem-sink and --kvmem-recent (llama-kvmem-params.h)
+ENGINE_BLOCK, ENGINE_SINK, ENGINE_RECENT = 128, 128, 256
+
+
 @dataclass(frozen=True)
 class Config:
     """One configuration: `budget` is 0 (tiering off), a fraction of the length, or tokens;
@@ -68,6 +72,19 @@ class Config:
         if isinstance(self.budget, Fraction):
             return max(1, int(self.budget * length))
         return int(self.budget)
+
+    def min_budget(self) -> int:
+        """The smallest budget the engine takes with these options: the sink and the recent window in whole
+        blocks, one retrieved block and the partial tail (kvmem_min_budget in llama-kvmem-params.h)."""
+        opts = dict(self.options)
+        try:
+            block, sink, recent = (int(opts.get(k, d)) for k, d in
+                                   (("block", ENGINE_BLOCK), ("sink", ENGINE_SINK), ("recent", ENGINE_RECENT)))
+        except ValueError:
+            return 0  # not numbers: the engine's own check says so
+        if block <= 0:
+            return 0
+        return (-(-sink // block) + -(-recent // block) + 2) * block
 
     def server_args(self, length: int) -> list[str]:
         """Engine flags for this configuration; tiering off passes none (works on any llama-server)."""
