@@ -9,12 +9,13 @@
 #                                                            the engine builds; the job waits for the last part)
 #   then:      bash packaging/device/issue25.sh wait 540    (returns when a model's cells land, the job ends, or after
 #                                                            540 s; issue the next call within the machine's 30 s idle window)
-# env (call 1): TASKS (niah_decoy8), LENGTHS (16k,32k), BUDGETS (full KV, recency, hybrid and mass at 1/8 and 1/32),
-#               MODELS (qwen05 qwen15), SAMPLES (3 per depth)
+# env (call 1): EVALS (below), MODELS (qwen05 qwen15), SAMPLES (3 per depth), TIME_LIMIT (seconds per eval, 300)
+# EVALS: `name|budgets|tasks|lengths` entries separated by ';', run for each model one after another (the default:
+# 8 decoys at 1/8 at 16K and 32,600 tokens, the longest prompt the models' 32K training context takes with its
+# answer; then 1/32 at 32,600 with the plain needle beside the decoys: 1/32 of 16K is below the engine's 640-token
+# floor, which `kvmem eval` refuses before any server starts)
 set -uo pipefail
-TASKS=${TASKS:-niah_decoy8}
-LENGTHS=${LENGTHS:-16k,32k}
-BUDGETS=${BUDGETS:-0,recency:1/8,hybrid:1/8,mass:1/8,hybrid:1/32,mass:1/32}
+EVALS=${EVALS:-"decoys|0,recency:1/8,hybrid:1/8,mass:1/8|niah_decoy8|16k,32600;small|0,hybrid:1/32,mass:1/32|niah_decoy8,niah_single_essay|32600"}
 MODELS=${MODELS:-qwen05 qwen15}
 SAMPLES=${SAMPLES:-3}
 PART_BYTES=60000000
@@ -40,7 +41,7 @@ stage)
   cat .kvmem/models.txt; echo "$n parts: calls 2..$((n + 1)) carry .parts/00 .. .parts/$(printf %02d $((n - 1)))" ;;
 start)
   rm -rf /tmp/repo /tmp/out && mkdir -p /tmp/out /tmp/parts && cp -r . /tmp/repo
-  cd /tmp/repo && TASKS=$TASKS LENGTHS=$LENGTHS BUDGETS=$BUDGETS MODELS=$MODELS SAMPLES=$SAMPLES \
+  cd /tmp/repo && EVALS=$EVALS MODELS=$MODELS SAMPLES=$SAMPLES TIME_LIMIT=${TIME_LIMIT:-300} \
     setsid nohup bash packaging/device/issue25.sh run >/tmp/out/run.log 2>&1 </dev/null &
   sleep 15; tail -n 5 /tmp/out/run.log ;;
 take)
@@ -70,10 +71,14 @@ run)
     sleep 5
   done
   for key in $MODELS; do
-    mkdir -p "$OUT/$key"
-    OUT="$OUT/$key" TIME_LIMIT=${TIME_LIMIT:-3600} bash packaging/device/eval.sh "/tmp/$key.gguf" "/tmp/eval-$key" \
-      --budgets "$BUDGETS" --tasks "$TASKS" --lengths "$LENGTHS" --depths spread10 --samples "$SAMPLES" --jobs 4
-    echo "cell $key: done" | tee -a "$OUT/eval-notes.txt"
+    IFS=';' read -ra evals <<< "$EVALS"
+    for spec in "${evals[@]}"; do
+      IFS='|' read -r name budgets tasks lengths <<< "$spec"
+      mkdir -p "$OUT/$key-$name"
+      OUT="$OUT/$key-$name" bash packaging/device/eval.sh "/tmp/$key.gguf" "/tmp/eval-$key-$name" \
+        --budgets "$budgets" --tasks "$tasks" --lengths "$lengths" --depths spread10 --samples "$SAMPLES" --jobs 4
+      echo "cell $key $name: done" | tee -a "$OUT/eval-notes.txt"
+    done
   done
   echo "ALL DONE" ;;
 wait)
@@ -82,7 +87,8 @@ wait)
   while [ "$(date +%s)" -lt "$deadline" ] && [ "$(landed)" = "$before" ] && pgrep -f "issue25.sh run" >/dev/null; do
     sleep 5
   done
-  cp -r /tmp/out/. "$OUT"/ 2>/dev/null
+  # one tarball: a call brings back at most 8 files
+  (cd /tmp/out && tar -czf "$OUT/results.tgz" --exclude=results.tgz . 2>/dev/null)
   tail -n "${LINES_BACK:-25}" /tmp/out/run.log; cat /tmp/out/eval-notes.txt 2>/dev/null ;;
 *) echo "usage: $0 stage|start|take|assemble|wait [SECONDS]"; exit 2 ;;
 esac
