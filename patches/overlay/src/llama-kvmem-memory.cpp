@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <stdexcept>
 
 static constexpr llama_pos POS_END = std::numeric_limits<llama_pos>::max();
 
@@ -302,18 +303,14 @@ void llama_kvmem_cache::seq_keep(llama_seq_id seq_id) {
     publish();
 }
 
-void llama_kvmem_cache::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
-    // a restored state is only the working set that was saved; host blocks of the sequence are forgotten
-    std::vector<llama_seq_id> ids;
-    for (const auto & [s, st] : seqs) {
-        if (seq_id < 0 || s == seq_id) {
-            ids.push_back(s);
-        }
-    }
-    for (const auto s : ids) {
-        drop_host_blocks(s, 0);
-        seqs.erase(s);
-    }
-    llama_kv_cache::state_read(io, seq_id, flags);
-    publish();
+// what a saved state would lose; the flags also start the server with --slot-save-path or --prompt-cache refused
+static const char * const KVMEM_NO_STATE = "saving or restoring a sequence's state is not supported with KV tiering yet: a "
+        "state holds only the GPU working set, not the history in the host pool";
+
+void llama_kvmem_cache::state_write(llama_io_write_i &, llama_seq_id, llama_state_seq_flags) const {
+    throw std::runtime_error(KVMEM_NO_STATE);
+}
+
+void llama_kvmem_cache::state_read(llama_io_read_i &, llama_seq_id, llama_state_seq_flags) {
+    throw std::runtime_error(KVMEM_NO_STATE);
 }

@@ -104,6 +104,9 @@ public:
     void seq_cp  (llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) override;
     void seq_keep(llama_seq_id seq_id) override;
 
+    // refused (std::runtime_error, which llama_state_* report and return 0 for): a state holds only the working set,
+    // not the history in the host pool, so a restore would be a context with holes that looks whole
+    void state_write(llama_io_write_i & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) const override;
     void state_read(llama_io_read_i & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) override;
 
     //
