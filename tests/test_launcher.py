@@ -79,6 +79,11 @@ def test_kvmem_log_parses_follow_draft_and_the_select_extras() -> None:
     assert kvmem_log.tiering_state(text) == "armed"
 
 
+def test_self_test_prompt_is_the_same_for_the_same_budget() -> None:
+    assert readiness.self_test_prompt(640) == readiness.self_test_prompt(640)
+    assert readiness.self_test_prompt(640)[1] != readiness.self_test_prompt(641)[1]  # the budget is the seed
+
+
 def test_self_test_check_on_log_text() -> None:
     prompt, code = readiness.self_test_prompt(2048, seed=1)
     assert f"vault code is {code}" in prompt and len(prompt.split()) > 2048  # longer than the budget
