@@ -41,7 +41,7 @@ and the engine's own tests both use this module, so the format lives in one plac
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 ARMED_KEYS = ("blocks", "block_tokens", "layers", "kv_heads", "head_dim", "budget_blocks")
 SELECT_KEYS = ("seq", "n_blocks", "budget_blocks", "sink", "recent", "scored", "staged_in",
@@ -216,11 +216,15 @@ def parse_resident(line: str) -> dict | None:
             "ranges": blocks["ranges"]}
 
 
-def residents(lines: Iterable[str] | str) -> list[dict]:
-    """Every `kvmem_trace: resident` event of a log, in order."""
+def _trace_events(lines: Iterable[str] | str, parse: Callable[[str], dict | None]) -> list[dict]:
     if isinstance(lines, str):
         lines = lines.splitlines()
-    return [e for line in lines if "kvmem_trace:" in line and (e := parse_resident(line)) is not None]
+    return [e for line in lines if "kvmem_trace:" in line and (e := parse(line)) is not None]
+
+
+def residents(lines: Iterable[str] | str) -> list[dict]:
+    """Every `kvmem_trace: resident` event of a log, in order."""
+    return _trace_events(lines, parse_resident)
 
 
 _RANKED = re.compile(r"kvmem_trace:\s+ranked\s+seq=(?P<seq>\d+)\s+reason=(?P<reason>\S+)"
@@ -243,6 +247,4 @@ def parse_ranked(line: str) -> dict | None:
 
 def rankings(lines: Iterable[str] | str) -> list[dict]:
     """Every `kvmem_trace: ranked` event of a log, in order."""
-    if isinstance(lines, str):
-        lines = lines.splitlines()
-    return [e for line in lines if "kvmem_trace:" in line and (e := parse_ranked(line)) is not None]
+    return _trace_events(lines, parse_ranked)

@@ -74,17 +74,14 @@ class Config:
         return int(self.budget)
 
     def min_budget(self) -> int:
-        """The smallest budget the engine takes with these options: the sink and the recent window in whole
-        blocks, one retrieved block and the partial tail (kvmem_min_budget in llama-kvmem-params.h)."""
+        """The smallest budget the engine takes with these options (argv.floor_budget)."""
         opts = dict(self.options)
         try:
             block, sink, recent = (int(opts.get(k, d)) for k, d in
                                    (("block", ENGINE_BLOCK), ("sink", ENGINE_SINK), ("recent", ENGINE_RECENT)))
         except ValueError:
             return 0  # not numbers: the engine's own check says so
-        if block <= 0:
-            return 0
-        return (-(-sink // block) + -(-recent // block) + 2) * block
+        return argv.floor_budget(block, sink, recent) if block > 0 else 0
 
     def server_args(self, length: int) -> list[str]:
         """Engine flags for this configuration; tiering off passes none (works on any llama-server)."""

@@ -247,6 +247,13 @@ def kvmem_defaults(help_text: str) -> dict[str, int]:
 _SPELLINGS = {"-np": "--parallel"}
 
 
+def floor_budget(block: int, sink: int, recent: int) -> int:
+    """The smallest budget the engine takes (kvmem_min_budget): the sink and the recent window in whole blocks, one
+    retrieved block and the partial tail; also each busy slot's floor share of the working set."""
+    blocks = lambda tokens: -(-tokens // block)  # noqa: E731
+    return (blocks(sink) + blocks(recent) + 2) * block
+
+
 def slots_at_once(budget: int, n_parallel: int, block: int, sink: int, recent: int, gen_reserve: int) -> int:
     """How many slots the tiered working set serves at once: the engine's llama_kvmem_max_active().
 
@@ -254,8 +261,7 @@ def slots_at_once(budget: int, n_parallel: int, block: int, sink: int, recent: i
     at least sink + recent + 2 blocks (its floor share) plus an open block or its generation reserve. llama-server
     lets no more slots than that work at once; further requests wait for one to finish.
     """
-    blocks = lambda tokens: -(-tokens // block)  # noqa: E731
-    per_slot = (blocks(sink) + blocks(recent) + 2) * block + max(block, gen_reserve)
+    per_slot = floor_budget(block, sink, recent) + max(block, gen_reserve)
     return max(1, (budget + n_parallel * gen_reserve) // per_slot)
 
 
