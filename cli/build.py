@@ -44,6 +44,8 @@ def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool, upstream
     plan = plan_build(sm, jobs, dry_run=dry_run, upstream=upstream, fa_quants=fa_quants, ui=ui)
     if dry_run:
         console.print(f"# engine {plan.key}")
+        if plan.toolchain.note:
+            console.print(f"# compiler: {plan.toolchain.note}", soft_wrap=True)
         console.print("# web UI: " + ("built with npm from tools/ui and embedded" if plan.ui
                                       else f"skipped: {plan.ui_skipped}"), soft_wrap=True)
         console.print(f"# source: {plan.src}  (pin {plan.pin.requirement} + {len(plan.series.names)} patch(es))")

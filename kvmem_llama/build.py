@@ -10,12 +10,14 @@ the web UI's npm build is apart in kvmem_llama/webui.py.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +46,6 @@ HEADERS = ("include/llama.h", "ggml/include/ggml.h", "ggml/include/ggml-backend.
            "ggml/include/ggml-alloc.h", "ggml/include/ggml-cpu.h", "ggml/include/ggml-opt.h",
            "ggml/include/gguf.h")
 TREE_MARKER = ".kvmem-tree.json"
-PRIVATE_CXX_RUNTIME = "-Wl,--exclude-libs,libstdc++.a:libsupc++.a"
 PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 
 
@@ -96,11 +97,47 @@ def _first_line(cmd: list[str]) -> str | None:
     return text.splitlines()[0] if text else None
 
 
-def find_compiler() -> str:
+def find_compiler() -> tuple[str, str | None]:
+    """The C++ compiler for the engine ($CXX first) and, when one was passed over, why.
+
+    The engine is several shared libraries that hand C++ objects to each other, so they need one C++ runtime per
+    process. A toolchain that links it statically (seen on the GPU host: CXX=/opt/gcc/bin/g++ ships only
+    libstdc++.a) gives every library its own copy: a static std::regex of one library is then destroyed with
+    another copy's std::locale, and every program aborted at exit with `free(): invalid pointer`."""
+    candidates: list[str] = []
     for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)  # type: ignore[return-value]
-    raise BuildError("no C++ compiler found", hint="install one: apt-get install build-essential")
+        path = shutil.which(name) if name else None
+        if path and path not in candidates:
+            candidates.append(path)
+    if not candidates:
+        raise BuildError("no C++ compiler found", hint="install one: apt-get install build-essential")
+    static = [c for c in candidates if links_shared_cxx_runtime(c) is False]
+    usable = [c for c in candidates if c not in static]
+    if not usable:
+        raise BuildError(f"{', '.join(static)} link(s) the C++ runtime statically: every library of the engine would "
+                         "carry its own copy, and its programs abort at exit (free(): invalid pointer)",
+                         hint="install g++ with its shared runtime (apt-get install g++) or point CXX at one")
+    passed_over = [c for c in static if candidates.index(c) < candidates.index(usable[0])]
+    note = (f"{', '.join(passed_over)} links the C++ runtime statically (every library would carry its own copy); "
+            f"using {usable[0]}") if passed_over else None
+    return usable[0], note
+
+
+@functools.cache
+def links_shared_cxx_runtime(compiler: str) -> bool | None:
+    """Whether a shared library that `compiler` builds loads the C++ runtime as a shared library (libstdc++.so,
+    libc++.so); None when that cannot be told (the probe did not build, or no readelf to read it)."""
+    readelf = shutil.which("readelf")
+    if not readelf:
+        return None
+    with tempfile.TemporaryDirectory(prefix="kvmem-cxx-") as tmp:
+        src, lib = Path(tmp, "probe.cpp"), Path(tmp, "libprobe.so")
+        src.write_text("#include <string>\nstd::string kvmem_probe(int n) { return std::string(n, 'x'); }\n")
+        built = subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib), str(src)], capture_output=True)
+        if built.returncode != 0 or not lib.exists():
+            return None
+        dynamic = subprocess.run([readelf, "-d", str(lib)], capture_output=True, text=True).stdout
+    return bool(re.search(r"\(NEEDED\).*\[lib(stdc\+\+|c\+\+)\.so", dynamic))
 
 
 def nvcc_version() -> str | None:
@@ -119,6 +156,7 @@ class Toolchain:
     generator: str
     ccache: str | None
     cuda: str | None
+    note: str | None = None  # why $CXX was passed over (find_compiler)
 
     def key(self) -> str:
         blob = f"{self.compiler_version}|{self.cuda}|{self.generator}"
@@ -130,7 +168,7 @@ def detect_toolchain(target: BuildTarget, require_cuda: bool = True) -> Toolchai
     cmake = shutil.which("cmake")
     if not cmake:
         raise BuildError("cmake is not installed", hint="apt-get install cmake (3.14 or newer)")
-    compiler = find_compiler()
+    compiler, compiler_note = find_compiler()
     cuda = None
     if target.is_cuda:
         cuda = nvcc_version()
@@ -146,6 +184,7 @@ def detect_toolchain(target: BuildTarget, require_cuda: bool = True) -> Toolchai
         generator="Ninja" if shutil.which("ninja") else "Unix Makefiles",
         ccache=shutil.which("ccache"),
         cuda=cuda,
+        note=compiler_note,
     )
 
 
@@ -164,10 +203,6 @@ def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, b
         "-DGGML_RPC=ON",
         # portable: ggml picks the best CPU variant at load (no -march=native, no AMX: kvmem_llama/cpu_backend.py)
         *cpu_backend.cmake_flags(),
-        # a toolchain that links the C++ runtime statically (seen: CXX=/opt/gcc/bin/g++ on the GPU host) must not
-        # export it from our libraries: in a process that already has libstdc++.so (Python after `import numpy`)
-        # the two would mix and std::regex crashed at model load. No effect where libstdc++ is a shared library.
-        f"-DCMAKE_SHARED_LINKER_FLAGS={PRIVATE_CXX_RUNTIME}", f"-DCMAKE_MODULE_LINKER_FLAGS={PRIVATE_CXX_RUNTIME}",
         # binaries find their libraries next to them or in ../lib, wherever the engine lives
         "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN/../lib;$ORIGIN",
     ]
@@ -386,6 +421,8 @@ def run_build(plan: BuildPlan, log: Callable[[str], None] = print,
     if not force and (existing := _installed(plan)):
         return existing, True
     started = time.monotonic()
+    if plan.toolchain.note:
+        log(plan.toolchain.note)
     patched_tree(plan.pin, plan.series, log)
     plan.build_dir.mkdir(parents=True, exist_ok=True)
     ui_source = _provide_ui(plan, log)

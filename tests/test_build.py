@@ -81,6 +81,41 @@ def test_no_cmake_says_what_is_missing(tmp_path: Path) -> None:
     assert "cmake is not installed" in out.stderr
 
 
+def static_runtime_compilers(tmp_path: Path) -> Path:
+    """c++, g++ and clang++ that link the C++ runtime statically: the real g++ with -static-libstdc++, as the GPU
+    host's CXX=/opt/gcc/bin/g++ does (it has no libstdc++.so)."""
+    gxx = shutil.which("g++")
+    assert gxx, "the tests need g++"
+    folder = tmp_path / "static-cxx"
+    folder.mkdir()
+    for name in ("c++", "g++", "clang++"):
+        wrapper = folder / name
+        wrapper.write_text(f'#!/bin/sh\nexec {gxx} -static-libstdc++ "$@"\n')
+        wrapper.chmod(0o755)
+    return folder
+
+
+def test_a_cxx_that_links_the_runtime_statically_is_passed_over_with_the_reason(tmp_path: Path) -> None:
+    # every library of the engine would carry its own runtime: on the GPU host every program aborted at exit
+    static_gxx = static_runtime_compilers(tmp_path) / "g++"
+    out = kvmem("build", "--dry-run", env={**os.environ, "CXX": str(static_gxx)})
+    assert out.returncode == 0, out.stderr
+    assert f"{static_gxx} links the C++ runtime statically" in out.stdout
+    assert "-DCMAKE_CXX_COMPILER=" in out.stdout
+    assert f"-DCMAKE_CXX_COMPILER={static_gxx}" not in out.stdout
+
+
+def test_only_static_cxx_runtimes_stop_the_build_with_what_to_install(tmp_path: Path) -> None:
+    folder = static_runtime_compilers(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    env["PATH"] = os.pathsep.join([str(folder), os.environ["PATH"]])
+    out = kvmem("build", "--dry-run", env=env)
+    assert out.returncode != 0
+    message = " ".join(out.stderr.split())
+    assert "link(s) the C++ runtime statically" in message and "apt-get install g++" in message
+    assert "Traceback" not in out.stderr
+
+
 @pytest.mark.engine
 def test_engines_lists_the_cpu_engine_with_build_info(cpu_engine: Engine) -> None:
     out = kvmem("engines", "--json")
