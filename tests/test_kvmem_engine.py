@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import re
 import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
@@ -227,36 +226,6 @@ def test_binding_reads_kvmem_stats(cpu_engine: Engine, smollm2) -> None:
     assert seq0.blocks_host == stats.blocks_host and seq0.selections == 1
     with Llama.load(smollm2, n_ctx=1024, libllama=cpu_engine.libllama) as plain:
         assert plain.kvmem_stats().enabled is False
-
-
-def test_a_tiered_sequence_state_is_refused_not_saved_with_holes(cpu_engine: Engine, smollm2) -> None:
-    """A state would hold only the working set, not the host pool: the engine refuses it (0 bytes, said in the log)
-    instead of a file that restores into a context with holes; untiered contexts save as before."""
-    from kvmem_llama.binding import load_library, recent_log
-
-    lib = load_library(cpu_engine.libllama)
-    cfg = KvmemConfig(budget=512, block=64, sink=64, recent=128, gen_reserve=128)
-    with Llama.load(smollm2, n_ctx=4096, libllama=cpu_engine.libllama, kvmem=cfg) as llm:
-        llm.decode(llm.tokenize(essay(150)))
-        assert llm.kvmem_stats().evicted > 0
-        assert lib.llama_state_seq_get_size(llm._ctx, 0) == 0
-        said = "".join(recent_log(20))
-    assert "not supported with KV tiering yet" in said and "host pool" in said, said
-    with Llama.load(smollm2, n_ctx=1024, libllama=cpu_engine.libllama) as plain:
-        plain.decode(plain.tokenize("The capital of France is"))
-        assert lib.llama_state_seq_get_size(plain._ctx, 0) > 0
-
-
-def test_server_refuses_slot_files_with_tiering(cpu_engine: Engine, smollm2, tmp_path: Path) -> None:
-    """--slot-save-path with --kvmem-budget stops at startup with the reason, before the model loads."""
-    slots = tmp_path / "slots"
-    slots.mkdir()
-    proc = subprocess.run([str(cpu_engine.server), "-m", str(smollm2), "--kvmem-budget", "1024",
-                           "--slot-save-path", str(slots), "--port", "0"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    out = proc.stdout + proc.stderr
-    assert "--slot-save-path cannot be used with --kvmem-budget yet" in out and "host pool" in out, out
-    assert "loading model" not in out  # refused before the model loads
 
 
 @pytest.mark.slow

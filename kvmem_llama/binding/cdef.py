@@ -158,6 +158,8 @@ uint32_t llama_n_ctx(const struct llama_context * ctx);
 llama_memory_t llama_get_memory(const struct llama_context * ctx);
 void llama_memory_clear(llama_memory_t mem, bool data);
 size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
+size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
+size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);
 int32_t llama_model_n_embd(const struct llama_model * model);

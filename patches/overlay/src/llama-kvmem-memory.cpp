@@ -302,15 +302,3 @@ void llama_kvmem_cache::seq_keep(llama_seq_id seq_id) {
     }
     publish();
 }
-
-// what a saved state would lose; the flags also start the server with --slot-save-path or --prompt-cache refused
-static const char * const KVMEM_NO_STATE = "saving or restoring a sequence's state is not supported with KV tiering yet: a "
-        "state holds only the GPU working set, not the history in the host pool";
-
-void llama_kvmem_cache::state_write(llama_io_write_i &, llama_seq_id, llama_state_seq_flags) const {
-    throw std::runtime_error(KVMEM_NO_STATE);
-}
-
-void llama_kvmem_cache::state_read(llama_io_read_i &, llama_seq_id, llama_state_seq_flags) {
-    throw std::runtime_error(KVMEM_NO_STATE);
-}

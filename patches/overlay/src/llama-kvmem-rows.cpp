@@ -243,7 +243,7 @@ void llama_kvmem_cache::store_summary(kvmem_seq & st, int32_t b, kvmem_block & h
     st.rows.summary.erase(host);
 }
 
-std::vector<float> llama_kvmem_cache::block_summary(const kvmem_seq & st, int32_t b) {
+std::vector<float> llama_kvmem_cache::block_summary(const kvmem_seq & st, int32_t b) const {
     const auto host = st.rows.summary.find(b);
     if (host != st.rows.summary.end()) {
         return host->second;

@@ -227,6 +227,7 @@ llama_kvmem_cache::llama_kvmem_cache(
     kp(kp_in), geom(kvmem_geometry_of(kp_in)), rules(geom), n_seq_cap(std::max<uint32_t>(1, n_seq_max)) {
     const auto & hp = model.hparams;
     GGML_ASSERT(kp.block > 0 && kp.budget >= kvmem_min_budget(kp));
+    model_id = format("%s, %llu parameters", model.desc().c_str(), (unsigned long long) model.n_elements());
 
     for (const auto & l : kvmem_layers()) {
         lrows.push_back(kvmem_layer_rows_of(l.il, l.k, l.v, type_k, type_v));

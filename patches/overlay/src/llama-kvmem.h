@@ -267,13 +267,23 @@ private:
     // a block in the host pool whose summary is on the host goes to the summary store, its host copy with it
     void store_summary(kvmem_seq & st, int32_t b, kvmem_block & hb);
     // a block's summary where it is (host, or read back from the store); empty when it has none
-    std::vector<float> block_summary(const kvmem_seq & st, int32_t b);
+    std::vector<float> block_summary(const kvmem_seq & st, int32_t b) const;
     kvmem_readback readback;
     std::vector<const float *> cap_k, cap_q; // into readback, for the ubatch being captured
     uint32_t n_cap_q = 0;                    // query rows per layer in cap_q
     bool warned_no_keys = false;
 
     // memory operations (llama-kvmem-memory.cpp)
+    // a saved state (llama-kvmem-state.cpp)
+    std::string model_id; // the model a state must have been saved with
+    std::string state_layout() const;
+    void refuse_state_with_followers() const;
+    void write_seq(llama_io_write_i & io, llama_seq_id seq_id, const kvmem_seq & st) const;
+    void read_header(llama_io_read_i & io) const;
+    // where a restored sequence's cells go: the saved cells when all are free (after emptying the sequence)
+    slot_info_vec_t saved_layout(const std::vector<uint32_t> & cells, llama_seq_id seq_id);
+    void read_seq(llama_io_read_i & io, llama_seq_id seq_id);
+
     bool seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos p1);
     void drop_host_blocks(llama_seq_id seq_id, int32_t b0); // drop host blocks with index >= b0
     void bring_back_last(llama_seq_id seq_id, kvmem_seq & st, llama_pos p0);

@@ -1,0 +1,296 @@
+// KVMem: a tiered context's saved state (kvmem-llama): llama_state_seq_* and the server's slot save/restore.
+//
+// A state holds every sequence's whole history: the working set as llama_kv_cache writes it (the same cells in the
+// same order, so the next tokens attend as before), then the host pool's blocks (K/V as the pool keeps them, block
+// summaries, token ids, M-RoPE positions and pick scores, the key rows of the newest blocks). A state of another
+// block size, model, layer layout, pool type or scorer is refused with what differs, and the sequence is left empty,
+// never as a context with holes. The restored sequence is idle: its next prompt is a new turn that selects as after
+// any prompt.
+
+#include "llama-kvmem-state.h"
+#include "llama-kvmem.h"
+
+#include "llama-impl.h"
+#include "llama-io.h"
+#include "llama-mmap.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+static constexpr uint32_t KVMEM_STATE_MAGIC   = 0x544d564b; // "KVMT"
+static constexpr uint32_t KVMEM_STATE_VERSION = 1;
+
+template <typename T>
+static void kvmem_put(llama_io_write_i & io, const T & v) {
+    io.write(&v, sizeof(v));
+}
+
+template <typename T>
+static T kvmem_take(llama_io_read_i & io) {
+    T v;
+    io.read(&v, sizeof(v));
+    return v;
+}
+
+template <typename T>
+static void kvmem_put_vec(llama_io_write_i & io, const std::vector<T> & v) {
+    kvmem_put<uint64_t>(io, v.size());
+    if (!v.empty()) {
+        io.write(v.data(), v.size()*sizeof(T));
+    }
+}
+
+// a vector of at most `max` values (a corrupt length must not allocate the machine's memory)
+template <typename T>
+static std::vector<T> kvmem_take_vec(llama_io_read_i & io, size_t max) {
+    const uint64_t n = kvmem_take<uint64_t>(io);
+    if (n > max) {
+        throw std::runtime_error(format("a tiered state's record holds %llu values where at most %zu fit: the file is "
+                "corrupt", (unsigned long long) n, max));
+    }
+    std::vector<T> v(n);
+    if (n > 0) {
+        io.read(v.data(), n*sizeof(T));
+    }
+    return v;
+}
+
+std::string llama_kvmem_cache::state_layout() const {
+    std::string s = format("model %s; block %u tokens; summary %zu floats; %zu tiered layers", model_id.c_str(), kp.block,
+            scorer->summary_size(), lrows.size());
+    for (const auto & l : lrows) {
+        s += format("; layer %u pool %s/%s", l.il, ggml_type_name(l.pool_k), ggml_type_name(l.pool_v));
+    }
+    return s;
+}
+
+void llama_kvmem_cache::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
+    refuse_state_with_followers();
+    kvmem_put(io, KVMEM_STATE_MAGIC);
+    kvmem_put(io, KVMEM_STATE_VERSION);
+    io.write_string(state_layout());
+    kvmem_put(io, stage_hint);
+    // the sequence's cells, so a restore puts every cell where it was (attention then sums in the same order)
+    std::vector<uint32_t> cells;
+    if (seq_id != -1) {
+        for (const auto & [pos, idx] : kvmem_cells().seq_pos_get(seq_id)) {
+            cells.push_back(idx);
+        }
+        std::sort(cells.begin(), cells.end());
+    }
+    kvmem_put_vec(io, cells);
+    llama_kv_cache::state_write(io, seq_id, flags);
+    std::vector<llama_seq_id> ids;
+    for (const auto & [s, st] : seqs) {
+        if (seq_id == -1 || s == seq_id) {
+            ids.push_back(s);
+        }
+    }
+    kvmem_put<uint32_t>(io, ids.size());
+    for (const llama_seq_id s : ids) {
+        write_seq(io, s, seqs.at(s));
+    }
+}
+
+void llama_kvmem_cache::write_seq(llama_io_write_i & io, llama_seq_id seq_id, const kvmem_seq & st) const {
+    kvmem_put(io, seq_id);
+    kvmem_put(io, st.next_host);
+    kvmem_put<uint32_t>(io, st.blocks.size());
+    for (const auto & [b, hb] : st.blocks) {
+        kvmem_put(io, b);
+        kvmem_put<uint8_t>(io, hb.picked);
+        kvmem_put(io, hb.score);
+        kvmem_put_vec(io, hb.ext);
+        io.write(pool.slot_ptr(hb.slot), pool.block_bytes());
+        kvmem_put_vec(io, block_summary(st, b));
+    }
+    // what the newest (partial) blocks need when they complete, and the token ids of every block
+    kvmem_put<uint32_t>(io, st.rows.summary.size());
+    for (const auto & [b, sum] : st.rows.summary) {
+        kvmem_put(io, b);
+        kvmem_put_vec(io, sum);
+    }
+    kvmem_put<uint32_t>(io, st.rows.stale.size());
+    for (const auto & [b, stale] : st.rows.stale) {
+        kvmem_put(io, b);
+        kvmem_put_vec(io, stale.first);
+        kvmem_put(io, stale.second);
+    }
+    kvmem_put<uint32_t>(io, st.rows.key.size());
+    for (const auto & [p, row] : st.rows.key) {
+        kvmem_put(io, p);
+        kvmem_put_vec(io, row);
+    }
+    kvmem_put<uint32_t>(io, st.rows.tokens.size());
+    for (const auto & [b, toks] : st.rows.tokens) {
+        kvmem_put(io, b);
+        kvmem_put_vec(io, toks);
+    }
+}
+
+void llama_kvmem_cache::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
+    refuse_state_with_followers();
+    read_header(io); // a state of another layout is refused before anything changes
+    const uint32_t hint = kvmem_take<uint32_t>(io);
+    // the working set: llama_kv_cache empties what it replaces (our seq_rm and clear give the old history's host
+    // slots back), into the cells the sequence had when they are free
+    slot_info_vec_t layout = saved_layout(kvmem_take_vec<uint32_t>(io, get_size()), seq_id);
+    llama_kv_cache::state_read_sinfo(io, seq_id, flags, nullptr, layout.empty() ? nullptr : &layout);
+    try {
+        const uint32_t n_seqs = kvmem_take<uint32_t>(io);
+        if (seq_id != -1 && n_seqs > 1) {
+            throw std::runtime_error("a state of several sequences cannot be restored into one");
+        }
+        for (uint32_t i = 0; i < n_seqs; ++i) {
+            const llama_seq_id saved = kvmem_take<llama_seq_id>(io);
+            const llama_seq_id dest  = seq_id == -1 ? saved : seq_id;
+            if (dest < 0 || (uint32_t) dest >= n_seq_cap) {
+                throw std::runtime_error(format("the state holds sequence %d; this context has %u", dest, n_seq_cap));
+            }
+            read_seq(io, dest);
+        }
+    } catch (...) {
+        if (seq_id == -1) {
+            clear(true);
+        } else {
+            seq_rm(seq_id, -1, -1);
+        }
+        throw;
+    }
+    for (auto & [s, st] : seqs) {
+        if (seq_id == -1 || s == seq_id) {
+            for (auto & [b, hb] : st.blocks) {
+                hb.resident = block_cells(s, b).size() == kp.block;
+            }
+        }
+    }
+    stage_hint = hint < get_size() ? hint : 0;
+    publish();
+}
+
+void llama_kvmem_cache::refuse_state_with_followers() const {
+    if (leader || !followers.empty()) {
+        throw std::runtime_error("a tiered context with a draft model's cache following it (MTP) cannot save or "
+                "restore its state yet");
+    }
+}
+
+void llama_kvmem_cache::read_header(llama_io_read_i & io) const {
+    if (kvmem_take<uint32_t>(io) != KVMEM_STATE_MAGIC) {
+        throw std::runtime_error("the state was not saved by a tiered context (--kvmem-budget): restore it without "
+                "tiering, or save it again with tiering on");
+    }
+    const uint32_t version = kvmem_take<uint32_t>(io);
+    if (version != KVMEM_STATE_VERSION) {
+        throw std::runtime_error(format("the tiered state has format %u, this engine reads format %u", version,
+                KVMEM_STATE_VERSION));
+    }
+    std::string layout;
+    io.read_string(layout);
+    if (layout != state_layout()) {
+        throw std::runtime_error(format("the tiered state was saved with another layout.\n  saved: %s\n  here:  %s",
+                layout.c_str(), state_layout().c_str()));
+    }
+}
+
+llama_kv_cache::slot_info_vec_t llama_kvmem_cache::saved_layout(const std::vector<uint32_t> & cells,
+        llama_seq_id seq_id) {
+    if (seq_id == -1 || cells.empty()) {
+        return {};
+    }
+    seq_rm(seq_id, -1, -1);
+    const auto & kv = kvmem_cells();
+    for (const uint32_t i : cells) {
+        if (i >= kv.size() || !kv.is_empty(i)) {
+            return {}; // another sequence holds it now: llama_kv_cache finds free cells
+        }
+    }
+    slot_info sinfo;
+    sinfo.s0 = sinfo.s1 = 0;
+    sinfo.strm = { 0 };
+    sinfo.idxs = { cells };
+    return { sinfo };
+}
+
+void llama_kvmem_cache::read_seq(llama_io_read_i & io, llama_seq_id seq_id) {
+    kvmem_seq & st = open_seq(seq_id);
+    const size_t max_vec = 1u << 30;
+    st.next_host = kvmem_take<int32_t>(io);
+    const uint32_t n_blocks = kvmem_take<uint32_t>(io);
+    if (n_blocks > pool.n_free()) {
+        throw std::runtime_error(format("the state holds %u blocks of history; the host pool has room for %u (raise "
+                "--kvmem-host-mib)", n_blocks, pool.n_free()));
+    }
+    for (uint32_t i = 0; i < n_blocks; ++i) {
+        const int32_t b = kvmem_take<int32_t>(io);
+        kvmem_block hb;
+        hb.picked = kvmem_take<uint8_t>(io) != 0;
+        hb.score  = kvmem_take<float>(io);
+        hb.ext    = kvmem_take_vec<llama_kv_cell_ext>(io, kp.block);
+        GGML_ASSERT(pool.take(hb.slot)); // room checked above
+        auto & placed = st.blocks.emplace(b, std::move(hb)).first->second; // books first: a failure gives it back
+        io.read(pool.slot_ptr(placed.slot), pool.block_bytes());
+        std::vector<float> sum = kvmem_take_vec<float>(io, scorer->summary_size());
+        if (!sum.empty()) {
+            st.rows.summary[b] = std::move(sum);
+            store_summary(st, b, placed);
+        }
+    }
+    for (uint32_t i = 0, n = kvmem_take<uint32_t>(io); i < n; ++i) {
+        const int32_t b = kvmem_take<int32_t>(io);
+        st.rows.summary[b] = kvmem_take_vec<float>(io, scorer->summary_size());
+    }
+    for (uint32_t i = 0, n = kvmem_take<uint32_t>(io); i < n; ++i) {
+        const int32_t b = kvmem_take<int32_t>(io);
+        std::vector<float> sum = kvmem_take_vec<float>(io, scorer->summary_size());
+        st.rows.stale[b] = { std::move(sum), kvmem_take<uint32_t>(io) };
+    }
+    for (uint32_t i = 0, n = kvmem_take<uint32_t>(io); i < n; ++i) {
+        const llama_pos p = kvmem_take<llama_pos>(io);
+        st.rows.key[p] = kvmem_take_vec<float>(io, max_vec);
+    }
+    for (uint32_t i = 0, n = kvmem_take<uint32_t>(io); i < n; ++i) {
+        const int32_t b = kvmem_take<int32_t>(io);
+        st.rows.tokens[b] = kvmem_take_vec<llama_token>(io, kp.block);
+        if (st.blocks.count(b)) {
+            st.lexicon.add(b, st.rows.tokens[b]);
+        }
+    }
+    if (summaries) {
+        summaries->flush();
+    }
+}
+
+size_t llama_kvmem_write_file(const char * path, const std::function<size_t(llama_file &)> & write) {
+    const std::string tmp = std::string(path) + ".tmp";
+    FILE * fp = std::fopen(tmp.c_str(), "wb");
+    if (!fp) {
+        throw std::runtime_error(format("cannot write %s: %s", tmp.c_str(), std::strerror(errno)));
+    }
+    size_t res = 0;
+    try {
+        llama_file file(fp);
+        res = write(file);
+    } catch (const std::exception & e) {
+        std::fclose(fp);
+        std::remove(tmp.c_str());
+        throw std::runtime_error(format("cannot save %s: %s (the previous file is unchanged)", path, e.what()));
+    } catch (...) {
+        std::fclose(fp);
+        std::remove(tmp.c_str());
+        throw;
+    }
+    // buffered bytes that do not fit (a full disk) fail here, not in write()
+    const bool flushed = std::fflush(fp) == 0;
+    const int  err     = errno;
+    if (std::fclose(fp) != 0 || !flushed || std::rename(tmp.c_str(), path) != 0) {
+        const std::string why = std::strerror(flushed ? errno : err);
+        std::remove(tmp.c_str());
+        throw std::runtime_error(format("cannot save %s: %s (the previous file is unchanged)", path, why.c_str()));
+    }
+    return res;
+}

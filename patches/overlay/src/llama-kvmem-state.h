@@ -1,0 +1,13 @@
+#pragma once
+
+// KVMem: state files written whole or not at all (kvmem-llama). See llama-kvmem-state.cpp.
+
+#include <cstddef>
+#include <functional>
+
+struct llama_file;
+
+// `write` fills a temporary file beside `path`, renamed over `path` once it is complete and flushed: a save that
+// fails part way (a full disk, a state the engine refuses) or is killed leaves the old file as it was and no
+// temporary file. Returns what `write` returns; throws with the reason.
+size_t llama_kvmem_write_file(const char * path, const std::function<size_t(llama_file &)> & write);

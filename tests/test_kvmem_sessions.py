@@ -1,0 +1,158 @@
+"""Tiered sessions that survive: a sequence's state holds its whole history (the host pool as well as the GPU
+working set), through the C API and llama-server's slot save/restore, and a state that does not fit is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import small_tmpfs
+from test_kvmem_engine import complete, essay
+
+from kvmem_llama.binding import KvmemConfig, Llama, ffi, load_library, recent_log
+from kvmem_llama.engine import Engine
+
+TIERED = KvmemConfig(budget=512, block=64, sink=64, recent=128, gen_reserve=128)
+SERVER_TIERING = ["-c", "4096", "-np", "1", "--kvmem-budget", "512", "--kvmem-block", "64", "--kvmem-sink", "64",
+                  "--kvmem-recent", "128"]
+
+
+def _state(lib, llm: Llama) -> bytes:
+    size = lib.llama_state_seq_get_size(llm._ctx, 0)
+    buf = ffi.new("uint8_t[]", size)
+    assert lib.llama_state_seq_get_data(llm._ctx, buf, size, 0) == size
+    return bytes(ffi.buffer(buf, size))
+
+
+def _restore(lib, llm: Llama, state: bytes) -> int:
+    return lib.llama_state_seq_set_data(llm._ctx, ffi.from_buffer("uint8_t[]", state), len(state), 0)
+
+
+def test_a_tiered_state_restores_the_whole_history(cpu_engine: Engine, smollm2) -> None:
+    """A fresh context restored from a state answers a follow-up with the same tokens as the context that never
+    stopped, with every block of the host pool back."""
+    lib = load_library(cpu_engine.libllama)
+    with Llama.load(smollm2, n_ctx=4096, libllama=cpu_engine.libllama, kvmem=TIERED) as first:
+        first.decode(first.tokenize(essay(150) + " The secret code word is PAPAYA-71. " + essay(40)))
+        before = first.kvmem_stats()
+        assert before.evicted > 0 and before.blocks_host > 3 * before.blocks_gpu  # most of it only in the host pool
+        state = _state(lib, first)
+        question = first.tokenize(" Question: what is the secret code word? Answer:", add_special=False)
+        expected = first.generate(question, max_tokens=12).tokens
+    assert len(state) > before.host_bytes  # the history, not only the working set
+    with Llama.load(smollm2, n_ctx=4096, libllama=cpu_engine.libllama, kvmem=TIERED) as second:
+        assert _restore(lib, second, state) == len(state)
+        after = second.kvmem_stats()
+        assert (after.blocks_host, after.blocks_gpu) == (before.blocks_host, before.blocks_gpu)
+        assert second.generate(question, max_tokens=12).tokens == expected
+
+
+def test_a_state_of_another_layout_is_refused_and_changes_nothing(cpu_engine: Engine, smollm2) -> None:
+    lib = load_library(cpu_engine.libllama)
+    with Llama.load(smollm2, n_ctx=4096, libllama=cpu_engine.libllama, kvmem=TIERED) as saved:
+        saved.decode(saved.tokenize(essay(100)))
+        state = _state(lib, saved)
+    with Llama.load(smollm2, n_ctx=1024, libllama=cpu_engine.libllama) as plain:
+        plain.decode(plain.tokenize("The capital of France is"))
+        untiered = _state(lib, plain)
+    other = KvmemConfig(budget=512, block=128, sink=128, recent=128, gen_reserve=128)
+    with Llama.load(smollm2, n_ctx=4096, libllama=cpu_engine.libllama, kvmem=other) as llm:
+        llm.decode(llm.tokenize("The capital of France is"))
+        kept = llm.kvmem_stats()
+        assert _restore(lib, llm, state) == 0
+        said = "".join(recent_log(30))
+        assert "saved with another layout" in said and "block 64 tokens" in said and "block 128 tokens" in said, said
+        assert _restore(lib, llm, untiered) == 0
+        assert "not saved by a tiered context" in "".join(recent_log(30))
+        assert llm.kvmem_stats().blocks_gpu == kept.blocks_gpu  # the sequence it had is untouched
+        assert llm.generate(llm.tokenize(" Paris", add_special=False), max_tokens=2).tokens
+
+
+def _slot(url: str, action: str, filename: str) -> httpx.Response:
+    return httpx.post(f"{url}/slots/0", params={"action": action}, json={"filename": filename}, timeout=600)
+
+
+def _tokens(url: str, text: str) -> list[int]:
+    return httpx.post(f"{url}/tokenize", json={"content": text}, timeout=60).json()["tokens"]
+
+
+def _wait_dead(pid: int, deadline_s: float = 60.0) -> None:
+    """Until the process is gone or a zombie (its parent, the monitor, may not have reaped it yet)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state == "Z":
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the server (pid {pid}) did not die after SIGKILL")
+
+
+def test_a_tiered_slot_resumes_after_kill_9_without_reading_its_history_again(llama_server, smollm2,
+                                                                              tmp_path: Path) -> None:
+    """save -> kill -9 -> restart -> restore: the follow-up's answer is the never-stopped server's, and only the
+    follow-up's own tokens are read."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    args = [*SERVER_TIERING, "--slot-save-path", str(slots)]
+    with llama_server(smollm2, args) as first:
+        history = _tokens(first.url, essay(150) + " The secret code word is PAPAYA-71. " + essay(30))
+        turn = complete(first.url, history, n_predict=8, cache_prompt=True)
+        saved = _slot(first.url, "save", "session.bin")
+        assert saved.status_code == 200, saved.text
+        n_saved = saved.json()["n_saved"]
+        assert n_saved >= len(history)
+        follow_up = history + turn["tokens"] + _tokens(first.url, " Question: what is the secret code word?")
+        expected = complete(first.url, follow_up, n_predict=12, cache_prompt=True)["tokens"]
+        os.kill(first.pid, signal.SIGKILL)
+        _wait_dead(first.pid)
+    with llama_server(smollm2, args) as second:
+        restored = _slot(second.url, "restore", "session.bin")
+        assert restored.status_code == 200, restored.text
+        assert restored.json()["n_restored"] == n_saved
+        again = complete(second.url, follow_up, n_predict=12, cache_prompt=True)
+        assert again["tokens"] == expected
+        assert again["timings"]["prompt_n"] <= len(follow_up) - n_saved + 1  # the history was not read again
+
+
+def test_a_slot_file_that_does_not_fit_is_refused_and_the_server_goes_on(llama_server, smollm2,
+                                                                         tmp_path: Path) -> None:
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    with llama_server(smollm2, [*SERVER_TIERING, "--slot-save-path", str(slots)]) as srv:
+        complete(srv.url, essay(80), n_predict=4, cache_prompt=True)
+        assert _slot(srv.url, "save", "whole.bin").status_code == 200
+    whole = (slots / "whole.bin").read_bytes()
+    (slots / "cut.bin").write_bytes(whole[: len(whole) // 2])
+    other_block = [*SERVER_TIERING, "--slot-save-path", str(slots)]
+    other_block[other_block.index("--kvmem-block") + 1] = "128"
+    other_block[other_block.index("--kvmem-sink") + 1] = "128"
+    with llama_server(smollm2, other_block) as srv:
+        assert _slot(srv.url, "restore", "cut.bin").status_code != 200
+        assert _slot(srv.url, "restore", "whole.bin").status_code != 200
+        assert "saved with another layout" in srv.log()
+        assert complete(srv.url, "The capital of France is", n_predict=4)["tokens_predicted"] > 0
+    assert (slots / "whole.bin").read_bytes() == whole  # a refused restore leaves the file as it was
+
+
+def test_a_save_that_does_not_fit_on_the_disk_keeps_the_previous_file(llama_server, smollm2, tmp_path: Path) -> None:
+    """A state file is written beside the old one and renamed over it once whole: a full disk fails the save with
+    an error and leaves the previous session as it was, with no partial file."""
+    with small_tmpfs(tmp_path, "16m") as disk, \
+            llama_server(smollm2, [*SERVER_TIERING, "--slot-save-path", str(disk)]) as srv:
+        complete(srv.url, "The capital of France is", n_predict=4, cache_prompt=True)
+        assert _slot(srv.url, "save", "s.bin").status_code == 200
+        before = (disk / "s.bin").read_bytes()
+        complete(srv.url, essay(150), n_predict=4, cache_prompt=True)  # ~40 MB of state: more than the disk
+        failed = _slot(srv.url, "save", "s.bin")
+        assert failed.status_code != 200 and "Unable to save slot" in failed.text
+        assert "No space left on device (the previous file is unchanged)" in srv.log()
+        assert (disk / "s.bin").read_bytes() == before
+        assert sorted(p.name for p in disk.iterdir()) == ["s.bin"]
+        assert complete(srv.url, "The capital of France is", n_predict=4)["tokens_predicted"] > 0
