@@ -21,7 +21,7 @@ from kvmem_llama.cli.console import console, err_console, human_bytes
 from kvmem_llama.engine import select_engine
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.models.gguf_info import CACHE_TYPES as KV_TYPES
-from kvmem_llama.serving import argv, launch, process, registry
+from kvmem_llama.serving import argv, launch, process, registry, sessions
 
 CACHE_TYPES = click.Choice(sorted(KV_TYPES))
 
@@ -150,6 +150,13 @@ def confirm_download(yes: bool) -> Callable[[str], bool]:
     return lambda message: yes or click.confirm(message, default=True, err=True)
 
 
+def _print_slots(verb: str, results: list[sessions.SlotResult], name: str | None = None) -> None:
+    prefix = f"{name}: " if name else ""
+    for result in results:
+        colour = "yellow" if result.error else "green"
+        console.print(f"[{colour}]{prefix}{result.describe(verb)}[/]", soft_wrap=True)
+
+
 def print_web_ui(url: str) -> None:
     ui = launch.web_ui_url(url)
     if ui:
@@ -166,9 +173,13 @@ def print_web_ui(url: str) -> None:
 @click.option("--detach", "-d", is_flag=True, help="Run in the background (own session); see `kvmem ps`.")
 @click.option("--quiet", "-q", is_flag=True, help="Do not echo the server log to the console.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and the llama-server command, start nothing.")
+@click.option("--keep-sessions", is_flag=True,
+              help="Save every slot's context (the tiered history too) under the store when the server stops, and "
+                   "put it back when it starts again with this model: a long conversation resumes without reading "
+                   "it again. Uses disk: ~the host KV pool per slot (see `kvmem sessions`).")
 def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ctk: str | None, ctv: str | None,
             mode: str, port: str, host: str, name: str | None, detach: bool, engine: str | None, rpc: str | None,
-            draft_mtp: bool | None, timeout: float, yes: bool, quiet: bool, dry_run: bool) -> int:
+            draft_mtp: bool | None, timeout: float, yes: bool, quiet: bool, dry_run: bool, keep_sessions: bool) -> int:
     """Run MODEL (default: the embedded SmolLM2) as an OpenAI-compatible server and wait until it is ready.
 
     The engine matches your GPU (or the CPU), the plan fits your VRAM and RAM, and every
@@ -184,7 +195,8 @@ def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ct
     """
     model, extra = _split_model(model, server_args)
     lp = launch.prepare(model, extra_args=extra, ctx=ctx, port=port, host=host, mode=mode, ctk=ctk, ctv=ctv,
-                        engine=engine, rpc=rpc, pull=True, confirm=confirm_download(yes), draft_mtp=draft_mtp)
+                        engine=engine, rpc=rpc, pull=True, confirm=confirm_download(yes), draft_mtp=draft_mtp,
+                        keep_sessions=keep_sessions)
     _print_warnings(lp.notes, lp.plan.fixes)
     if dry_run:
         console.print(f"engine {lp.engine.key}; model id {lp.model_id}; tiering {'on' if lp.tiering else 'off'}")
@@ -220,12 +232,19 @@ def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ct
         if handle.self_test:
             console.print(f"[green]self-test:[/] {handle.self_test}", soft_wrap=True)
         print_web_ui(handle.url)
+        kept = sessions.kept_dir(lp.argv)
+        if kept is not None:
+            _print_slots("restored", sessions.restore_slots(handle.url, handle.headers, kept))
         if detach:
             console.print(f"detached as [bold]{handle.name}[/] (pid {handle.pid}): "
                           f"`kvmem logs {handle.name} -f`, `kvmem stop {handle.name}`", soft_wrap=True)
             return 0
         code = handle.wait()
     except KeyboardInterrupt:
+        kept = sessions.kept_dir(lp.argv) if ready else None
+        if kept is not None:
+            err_console.print("[dim]kvmem: saving the sessions (after any running request)[/]")
+            _print_slots("saved", sessions.save_slots(handle.url, handle.headers, kept))
         err_console.print("[dim]kvmem: stopping the server[/]")
         code = handle.stop()
         err_console.print(f"[dim]kvmem: {process.describe_stop(handle.stop_result)} (exit code {code})[/]")
@@ -329,6 +348,9 @@ def stop_cmd(names: tuple[str, ...], stop_all: bool, timeout: float) -> None:
     if not records:
         console.print("no servers to stop")
     for record in records:
+        kept = sessions.kept_dir(record.argv) if record.alive else None
+        if kept is not None:
+            _print_slots("saved", sessions.save_slots(record.url, sessions.headers_of(record), kept), record.name)
         result = registry.stop(record, timeout)
         console.print(f"{record.name}: {process.describe_stop(result)}")
 
@@ -392,4 +414,42 @@ def doctor_cmd(model: str | None, port: int, ctx: int | None, engine: str | None
     return 1 if failed else 0
 
 
-COMMANDS = [plan_cmd, run_cmd, serve_cmd, ps_cmd, stop_cmd, logs_cmd, doctor_cmd, rpc_server_cmd]
+@click.group("sessions")
+def sessions_group() -> None:
+    """Sessions kept by `kvmem run --keep-sessions`: one file per slot and model, under the store."""
+
+
+@sessions_group.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def sessions_list_cmd(as_json: bool) -> None:
+    """Kept sessions: model, slot, size on disk, when saved."""
+    rows = [s.row() for s in sessions.list_sessions()]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        console.print(f"no kept sessions in {sessions.root()}", soft_wrap=True)
+        return
+    table = Table(box=None)
+    for column in ("model", "slot", "size", "saved", "file"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["model"], str(row["slot"]), human_bytes(row["bytes"]), row["saved_at"], row["path"])
+    console.print(table)
+
+
+@sessions_group.command("rm")
+@click.argument("model", required=False)
+@click.option("--all", "remove_all", is_flag=True, help="Remove every kept session.")
+def sessions_rm_cmd(model: str | None, remove_all: bool) -> None:
+    """Remove the kept sessions of MODEL (its id, as `kvmem sessions list` shows it), or --all."""
+    if not model and not remove_all:
+        raise click.UsageError("name a model (see `kvmem sessions list`) or pass --all")
+    removed = sessions.remove_sessions(None if remove_all else model)
+    if not removed and model:
+        raise KvmemError(f"no kept sessions for {model!r}", hint="kvmem sessions list")
+    freed = sum(s.size for s in removed)
+    console.print(f"removed {len(removed)} session file(s), {human_bytes(freed)}")
+
+
+COMMANDS = [plan_cmd, run_cmd, serve_cmd, ps_cmd, stop_cmd, logs_cmd, doctor_cmd, rpc_server_cmd, sessions_group]

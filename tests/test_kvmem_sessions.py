@@ -3,8 +3,12 @@ working set), through the C API and llama-server's slot save/restore, and a stat
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -156,3 +160,75 @@ def test_a_save_that_does_not_fit_on_the_disk_keeps_the_previous_file(llama_serv
         assert (disk / "s.bin").read_bytes() == before
         assert sorted(p.name for p in disk.iterdir()) == ["s.bin"]
         assert complete(srv.url, "The capital of France is", n_predict=4)["tokens_predicted"] > 0
+
+
+def _kvmem(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvmem_llama.cli.main", *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def _ready_url(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 0, out.stdout + out.stderr
+    match = re.search(r"ready (http://127\.0\.0\.1:\d+)", out.stdout)
+    assert match, out.stdout
+    return match.group(1)
+
+
+def test_kvmem_run_keep_sessions_saves_on_stop_and_resumes_on_start(smollm2, tmp_path: Path) -> None:
+    env = {**os.environ, "KVMEM_SERVERS_DIR": str(tmp_path / "servers"),
+           "KVMEM_SESSIONS_DIR": str(tmp_path / "sessions")}
+    start = ["run", "--detach", "--keep-sessions", "--name", "keep", "--port", "auto", "--", *SERVER_TIERING]
+    url = _ready_url(_kvmem(start, env))
+    try:
+        history = _tokens(url, essay(150) + " The secret code word is PAPAYA-71. " + essay(30))
+        turn = complete(url, history, n_predict=8, cache_prompt=True)
+    finally:
+        stop = _kvmem(["stop", "keep"], env)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    saved = re.search(r"keep: slot 0: saved ([\d,]+) tokens", stop.stdout)
+    assert saved, stop.stdout
+    n_saved = int(saved.group(1).replace(",", ""))
+    assert n_saved >= len(history)
+    listed = json.loads(_kvmem(["sessions", "list", "--json"], env).stdout)
+    assert [(row["model"], row["slot"]) for row in listed] == [("smollm2", 0)] and listed[0]["bytes"] > 0
+
+    again = _kvmem(start, env)
+    url = _ready_url(again)
+    try:
+        assert f"slot 0: restored {n_saved:,} tokens" in again.stdout, again.stdout
+        follow_up = history + turn["tokens"] + _tokens(url, " Question: what is the secret code word?")
+        answer = complete(url, follow_up, n_predict=8, cache_prompt=True)
+        assert answer["timings"]["prompt_n"] <= len(follow_up) - n_saved + 1  # the history was not read again
+    finally:
+        assert _kvmem(["stop", "keep"], env).returncode == 0
+    removed = _kvmem(["sessions", "rm", "smollm2"], env)
+    assert removed.returncode == 0 and "removed 1 session file(s)" in removed.stdout
+    assert json.loads(_kvmem(["sessions", "list", "--json"], env).stdout) == []
+    missing = _kvmem(["sessions", "rm", "smollm2"], env)
+    assert missing.returncode != 0 and "no kept sessions for 'smollm2'" in missing.stderr
+
+
+def test_ctrl_c_on_kvmem_run_keep_sessions_saves_before_stopping(smollm2, tmp_path: Path) -> None:
+    env = {**os.environ, "KVMEM_SERVERS_DIR": str(tmp_path / "servers"),
+           "KVMEM_SESSIONS_DIR": str(tmp_path / "sessions"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvmem_llama.cli.main", "run", "--keep-sessions", "--quiet",
+                             "--port", "auto", "--name", "fg", "--", *SERVER_TIERING],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        seen = []
+        assert proc.stdout is not None
+        for line in proc.stdout:  # until "ready" (the server's readiness has its own timeout)
+            seen.append(line)
+            if line.startswith("ready "):
+                break
+        match = re.search(r"ready (http://127\.0\.0\.1:\d+)", "".join(seen))
+        assert match, "".join(seen)
+        complete(match.group(1), essay(60), n_predict=4, cache_prompt=True)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, rest
+    assert re.search(r"slot 0: saved [\d,]+ tokens", rest), rest
+    assert (tmp_path / "sessions" / "smollm2" / "slot-0.bin").stat().st_size > 0

@@ -23,7 +23,7 @@ from kvmem_llama.engine import Engine, select_engine
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.models import ResolvedModel, resolve_model
 from kvmem_llama.models.gguf_info import model_info
-from kvmem_llama.serving import argv, readiness, registry
+from kvmem_llama.serving import argv, readiness, registry, sessions
 from kvmem_llama.serving.process import LOOPBACK, ServerProcess, free_port, port_in_use
 
 DEFAULT_HOST = LOOPBACK
@@ -72,8 +72,10 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
             ctk: str | None = None, ctv: str | None = None, engine: str | None = None,
             rpc: str | None = None, hw: hardware.Hardware | None = None, pull: bool = False,
             confirm: Callable[[str], bool] | None = None, self_test: bool = True,
-            draft_mtp: bool | None = None) -> LaunchPlan:
-    """Resolve model + engine, plan memory and build the argv: plan < profile < user flags."""
+            draft_mtp: bool | None = None, keep_sessions: bool = False) -> LaunchPlan:
+    """Resolve model + engine, plan memory and build the argv: plan < profile < user flags.
+
+    `keep_sessions`: the server saves its slots under the store (serving.sessions) and restores them."""
     argv.refuse_download_flags(extra_args)
     resolved = resolve_model(model, pull=pull, confirm=confirm)
     hw = hw or hardware.detect()
@@ -109,6 +111,10 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
         ours.append("--strict-model-id")
     if rpc:
         ours += ["--rpc", rpc]
+    if keep_sessions:
+        folder = sessions.session_dir(model_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        ours += ["--slot-save-path", str(folder)]
     command = [str(chosen.server), *argv.merge_args(base + ours, argv.sampling_args(mode), user)]
     crowded = argv.parallel_tiering_warning(command, budget, argv.kvmem_defaults(help_text)) if tiering else None
     if crowded:
