@@ -232,3 +232,39 @@ def test_ctrl_c_on_kvmem_run_keep_sessions_saves_before_stopping(smollm2, tmp_pa
     assert proc.returncode == 0, rest
     assert re.search(r"slot 0: saved [\d,]+ tokens", rest), rest
     assert (tmp_path / "sessions" / "smollm2" / "slot-0.bin").stat().st_size > 0
+
+
+def test_a_whole_context_state_restores_every_sequence(cpu_engine: Engine, smollm2) -> None:
+    """llama_state_* (llama-cli's --prompt-cache): the whole context, host pool included."""
+    lib = load_library(cpu_engine.libllama)
+    with Llama.load(smollm2, n_ctx=4096, libllama=cpu_engine.libllama, kvmem=TIERED) as first:
+        first.decode(first.tokenize(essay(150) + " The secret code word is PAPAYA-71. " + essay(40)))
+        before = first.kvmem_stats()
+        size = lib.llama_state_get_size(first._ctx)
+        buf = ffi.new("uint8_t[]", size)
+        assert lib.llama_state_get_data(first._ctx, buf, size) == size
+        question = first.tokenize(" Question: what is the secret code word? Answer:", add_special=False)
+        expected = first.generate(question, max_tokens=12).tokens
+    with Llama.load(smollm2, n_ctx=4096, libllama=cpu_engine.libllama, kvmem=TIERED) as second:
+        assert lib.llama_state_set_data(second._ctx, buf, size) == size
+        assert second.kvmem_stats().blocks_host == before.blocks_host
+        assert second.generate(question, max_tokens=12).tokens == expected
+
+
+def test_a_hybrid_model_slot_resumes_with_its_recurrent_state(llama_server, qwen35, tmp_path: Path) -> None:
+    """qwen35: the tiered attention layers and the recurrent layers' state come back together."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    args = ["-c", "8192", "-np", "1", "--kvmem-budget", "1024", "--slot-save-path", str(slots)]
+    with llama_server(qwen35["plain"], args) as first:
+        history = _tokens(first.url, essay(200))
+        turn = complete(first.url, history, n_predict=8, cache_prompt=True)
+        assert _slot(first.url, "save", "q.bin").status_code == 200
+        follow_up = history + turn["tokens"] + _tokens(first.url, " And chapter 3 again?")
+        expected = complete(first.url, follow_up, n_predict=12, cache_prompt=True)["tokens"]
+    with llama_server(qwen35["plain"], args) as second:
+        restored = _slot(second.url, "restore", "q.bin")
+        assert restored.status_code == 200, restored.text
+        again = complete(second.url, follow_up, n_predict=12, cache_prompt=True)
+    assert again["tokens"] == expected
+    assert again["timings"]["prompt_n"] < 64

@@ -19,6 +19,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <stdexcept>
 
 static constexpr uint32_t KVMEM_STATE_MAGIC   = 0x544d564b; // "KVMT"
@@ -44,6 +45,9 @@ static void kvmem_put_vec(llama_io_write_i & io, const std::vector<T> & v) {
     }
 }
 
+// what a record of unbounded size may hold at most (a corrupt length must not allocate the machine's memory)
+static constexpr size_t kvmem_take_limit = (size_t) 1 << 34;
+
 // a vector of at most `max` values (a corrupt length must not allocate the machine's memory)
 template <typename T>
 static std::vector<T> kvmem_take_vec(llama_io_read_i & io, size_t max) {
@@ -57,6 +61,26 @@ static std::vector<T> kvmem_take_vec(llama_io_read_i & io, size_t max) {
         io.read(v.data(), n*sizeof(T));
     }
     return v;
+}
+
+// a map of rows: its size, then each key and its values
+template <typename K, typename T>
+static void kvmem_put_map(llama_io_write_i & io, const std::map<K, std::vector<T>> & rows) {
+    kvmem_put<uint32_t>(io, rows.size());
+    for (const auto & [key, values] : rows) {
+        kvmem_put(io, key);
+        kvmem_put_vec(io, values);
+    }
+}
+
+template <typename K, typename T>
+static std::map<K, std::vector<T>> kvmem_take_map(llama_io_read_i & io, size_t max_values) {
+    std::map<K, std::vector<T>> rows;
+    for (uint32_t i = 0, n = kvmem_take<uint32_t>(io); i < n; ++i) {
+        const K key = kvmem_take<K>(io);
+        rows[key] = kvmem_take_vec<T>(io, max_values);
+    }
+    return rows;
 }
 
 std::string llama_kvmem_cache::state_layout() const {
@@ -109,26 +133,28 @@ void llama_kvmem_cache::write_seq(llama_io_write_i & io, llama_seq_id seq_id, co
         kvmem_put_vec(io, block_summary(st, b));
     }
     // what the newest (partial) blocks need when they complete, and the token ids of every block
-    kvmem_put<uint32_t>(io, st.rows.summary.size());
-    for (const auto & [b, sum] : st.rows.summary) {
-        kvmem_put(io, b);
-        kvmem_put_vec(io, sum);
-    }
+    kvmem_put_map(io, st.rows.summary);
     kvmem_put<uint32_t>(io, st.rows.stale.size());
     for (const auto & [b, stale] : st.rows.stale) {
         kvmem_put(io, b);
         kvmem_put_vec(io, stale.first);
         kvmem_put(io, stale.second);
     }
-    kvmem_put<uint32_t>(io, st.rows.key.size());
-    for (const auto & [p, row] : st.rows.key) {
+    kvmem_put_map(io, st.rows.key);
+    kvmem_put_map(io, st.rows.tokens);
+    // the newest tokens' query rows (a follow-up's question span reaches back into them), then what recomputes a
+    // turn's question on a hybrid model: the recent prompt tokens and the recurrent state snapshots
+    kvmem_put<uint32_t>(io, st.rows.query.size());
+    for (const auto & [p, row] : st.rows.query) {
         kvmem_put(io, p);
-        kvmem_put_vec(io, row);
+        const float * data = row.empty() ? query_store->ring_row((uint32_t) seq_id, p) : row.data();
+        kvmem_put_vec(io, std::vector<float>(data, data + dims.query_row()));
     }
-    kvmem_put<uint32_t>(io, st.rows.tokens.size());
-    for (const auto & [b, toks] : st.rows.tokens) {
-        kvmem_put(io, b);
-        kvmem_put_vec(io, toks);
+    kvmem_put_vec(io, std::vector<kvmem_prompt_token>(st.tokens.begin(), st.tokens.end()));
+    kvmem_put<uint32_t>(io, st.snapshots.size());
+    for (const auto & [p, snapshot] : st.snapshots) {
+        kvmem_put(io, p);
+        kvmem_put_vec(io, snapshot);
     }
 }
 
@@ -218,7 +244,6 @@ llama_kv_cache::slot_info_vec_t llama_kvmem_cache::saved_layout(const std::vecto
 
 void llama_kvmem_cache::read_seq(llama_io_read_i & io, llama_seq_id seq_id) {
     kvmem_seq & st = open_seq(seq_id);
-    const size_t max_vec = 1u << 30;
     st.next_host = kvmem_take<int32_t>(io);
     const uint32_t n_blocks = kvmem_take<uint32_t>(io);
     if (n_blocks > pool.n_free()) {
@@ -240,25 +265,36 @@ void llama_kvmem_cache::read_seq(llama_io_read_i & io, llama_seq_id seq_id) {
             store_summary(st, b, placed);
         }
     }
-    for (uint32_t i = 0, n = kvmem_take<uint32_t>(io); i < n; ++i) {
-        const int32_t b = kvmem_take<int32_t>(io);
-        st.rows.summary[b] = kvmem_take_vec<float>(io, scorer->summary_size());
+    for (auto & [b, sum] : kvmem_take_map<int32_t, float>(io, scorer->summary_size())) {
+        st.rows.summary[b] = std::move(sum);
     }
     for (uint32_t i = 0, n = kvmem_take<uint32_t>(io); i < n; ++i) {
         const int32_t b = kvmem_take<int32_t>(io);
         std::vector<float> sum = kvmem_take_vec<float>(io, scorer->summary_size());
         st.rows.stale[b] = { std::move(sum), kvmem_take<uint32_t>(io) };
     }
-    for (uint32_t i = 0, n = kvmem_take<uint32_t>(io); i < n; ++i) {
-        const llama_pos p = kvmem_take<llama_pos>(io);
-        st.rows.key[p] = kvmem_take_vec<float>(io, max_vec);
-    }
-    for (uint32_t i = 0, n = kvmem_take<uint32_t>(io); i < n; ++i) {
-        const int32_t b = kvmem_take<int32_t>(io);
-        st.rows.tokens[b] = kvmem_take_vec<llama_token>(io, kp.block);
+    st.rows.key = kvmem_take_map<llama_pos, float>(io, dims.key_row());
+    st.rows.tokens = kvmem_take_map<int32_t, llama_token>(io, kp.block);
+    for (const auto & [b, toks] : st.rows.tokens) {
         if (st.blocks.count(b)) {
-            st.lexicon.add(b, st.rows.tokens[b]);
+            st.lexicon.add(b, toks); // a document for the lexical picks, as when it was written through
         }
+    }
+    for (auto & [p, row] : kvmem_take_map<llama_pos, float>(io, dims.query_row())) {
+        if (row.size() != dims.query_row()) {
+            throw std::runtime_error("a tiered state's query row has the wrong size: the file is corrupt");
+        }
+        float * ring = query_store ? query_store->ring_row((uint32_t) seq_id, p) : nullptr;
+        if (ring) {
+            std::copy(row.begin(), row.end(), ring);
+            row.clear(); // the position is noted here, the row lives in the graph scorer's ring
+        }
+        st.rows.query[p] = std::move(row);
+    }
+    const auto prompt_tokens = kvmem_take_vec<kvmem_prompt_token>(io, kvmem_take_limit);
+    st.tokens.assign(prompt_tokens.begin(), prompt_tokens.end());
+    for (auto & [p, snapshot] : kvmem_take_map<llama_pos, uint8_t>(io, kvmem_take_limit)) {
+        st.snapshots.emplace_back(p, std::move(snapshot));
     }
     if (summaries) {
         summaries->flush();
