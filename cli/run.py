@@ -316,8 +316,12 @@ def _status_cell(state: str, status: str) -> str:
 def ps_cmd(as_json: bool) -> None:
     """List servers started by `kvmem run`: running ones, and those that ended without `kvmem stop` with
     their exit code (e.g. "crashed (exit code -9, SIGKILL)"; `kvmem logs NAME` still has the log,
-    `kvmem stop NAME` forgets them)."""
-    rows = [asdict(status) for status in registry.statuses()]
+    `kvmem stop NAME` forgets them). `kept`: the disk its sessions take (`--keep-sessions`)."""
+    kept = {}  # name -> bytes of the sessions kept for it (kvmem run --keep-sessions)
+    for record in registry.list_records():
+        folder = sessions.kept_dir(record.argv)
+        kept[record.name] = sum(s.size for s in sessions.list_dir(folder)) if folder else None
+    rows = [{**asdict(status), "kept_sessions_bytes": kept.get(status.name)} for status in registry.statuses()]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -325,12 +329,14 @@ def ps_cmd(as_json: bool) -> None:
         console.print("no servers (start one with `kvmem run --detach`)")
         return
     table = Table(show_header=True, header_style="bold")
-    for col in ("name", "pid", "port", "model", "ctx", "budget", "uptime", "RSS", "VRAM", "status"):
-        table.add_column(col, justify="right" if col in ("pid", "port", "ctx", "budget", "RSS", "VRAM") else "left")
+    for col in ("name", "pid", "port", "model", "ctx", "budget", "uptime", "RSS", "VRAM", "kept", "status"):
+        table.add_column(col, justify="right" if col in ("pid", "port", "ctx", "budget", "RSS", "VRAM", "kept")
+                         else "left")
     for row in rows:
         table.add_row(row["name"], str(row["pid"]), str(row["port"]), row["model"], str(row["ctx"] or "-"),
                       f"{row['budget']:,}" if row["budget"] else "off", _uptime(row["uptime_s"]),
                       human_bytes(row["rss"]), human_bytes(row["vram"]),
+                      "-" if row["kept_sessions_bytes"] is None else human_bytes(row["kept_sessions_bytes"]),
                       _status_cell(row["state"], row["status"]) + ("" if row["detached"] else " (fg)"))
     console.print(table)
 

@@ -196,6 +196,8 @@ def test_kvmem_run_keep_sessions_saves_on_stop_and_resumes_on_start(smollm2, tmp
     url = _ready_url(again)
     try:
         assert f"slot 0: restored {n_saved:,} tokens" in again.stdout, again.stdout
+        ps = json.loads(_kvmem(["ps", "--json"], env).stdout)
+        assert [(row["name"], row["kept_sessions_bytes"]) for row in ps] == [("keep", listed[0]["bytes"])]
         follow_up = history + turn["tokens"] + _tokens(url, " Question: what is the secret code word?")
         answer = complete(url, follow_up, n_predict=8, cache_prompt=True)
         assert answer["timings"]["prompt_n"] <= len(follow_up) - n_saved + 1  # the history was not read again
