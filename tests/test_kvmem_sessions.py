@@ -17,6 +17,7 @@ import pytest
 from conftest import small_tmpfs
 from test_kvmem_engine import complete, essay
 
+from kvmem_llama import kvmem_log
 from kvmem_llama.binding import KvmemConfig, Llama, ffi, load_library, recent_log
 from kvmem_llama.engine import Engine
 
@@ -98,13 +99,15 @@ def _wait_dead(pid: int, deadline_s: float = 60.0) -> None:
     pytest.fail(f"the server (pid {pid}) did not die after SIGKILL")
 
 
-def test_a_tiered_slot_resumes_after_kill_9_without_reading_its_history_again(llama_server, smollm2,
-                                                                              tmp_path: Path) -> None:
+@pytest.mark.parametrize("score_on", ["host", "device"])
+def test_a_tiered_slot_resumes_after_kill_9_without_reading_its_history_again(llama_server, smollm2, tmp_path: Path,
+                                                                              score_on: str) -> None:
     """save -> kill -9 -> restart -> restore: the follow-up's answer is the never-stopped server's, and only the
-    follow-up's own tokens are read."""
+    follow-up's own tokens are read; with the summaries and query rows on the host scorer or in the scoring
+    backend's stores (a CPU backend of its own here)."""
     slots = tmp_path / "slots"
     slots.mkdir()
-    args = [*SERVER_TIERING, "--slot-save-path", str(slots)]
+    args = [*SERVER_TIERING, "--kvmem-score-on", score_on, "--kvmem-trace", "--slot-save-path", str(slots)]
     with llama_server(smollm2, args) as first:
         history = _tokens(first.url, essay(150) + " The secret code word is PAPAYA-71. " + essay(30))
         turn = complete(first.url, history, n_predict=8, cache_prompt=True)
@@ -114,6 +117,7 @@ def test_a_tiered_slot_resumes_after_kill_9_without_reading_its_history_again(ll
         assert n_saved >= len(history)
         follow_up = history + turn["tokens"] + _tokens(first.url, " Question: what is the secret code word?")
         expected = complete(first.url, follow_up, n_predict=12, cache_prompt=True)["tokens"]
+        ranked = kvmem_log.rankings(first.log())[-1]  # the follow-up turn's: what scoring saw
         os.kill(first.pid, signal.SIGKILL)
         _wait_dead(first.pid)
     with llama_server(smollm2, args) as second:
@@ -123,6 +127,8 @@ def test_a_tiered_slot_resumes_after_kill_9_without_reading_its_history_again(ll
         again = complete(second.url, follow_up, n_predict=12, cache_prompt=True)
         assert again["tokens"] == expected
         assert again["timings"]["prompt_n"] <= len(follow_up) - n_saved + 1  # the history was not read again
+        # the same summaries and query rows: the follow-up's blocks rank in the same order
+        assert kvmem_log.rankings(second.log())[-1] == ranked
 
 
 def test_a_slot_file_that_does_not_fit_is_refused_and_the_server_goes_on(llama_server, smollm2,

@@ -130,9 +130,10 @@ void llama_kvmem_cache::write_seq(llama_io_write_i & io, llama_seq_id seq_id, co
         kvmem_put(io, hb.score);
         kvmem_put_vec(io, hb.ext);
         io.write(pool.slot_ptr(hb.slot), pool.block_bytes());
-        kvmem_put_vec(io, block_summary(st, b));
+        kvmem_put_vec(io, hb.summarized ? block_summary(st, b) : std::vector<float>()); // from the summary store
     }
-    // what the newest (partial) blocks need when they complete, and the token ids of every block
+    // the summaries kept here (the host scorer's, blocks not in the pool yet), the newest key rows (to rebuild a
+    // summary after a cut) and the token ids of every block
     kvmem_put_map(io, st.rows.summary);
     kvmem_put<uint32_t>(io, st.rows.stale.size());
     for (const auto & [b, stale] : st.rows.stale) {
