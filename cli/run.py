@@ -242,11 +242,16 @@ def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ct
         code = handle.wait()
     except KeyboardInterrupt:
         kept = sessions.kept_dir(lp.argv) if ready else None
-        if kept is not None:
-            err_console.print("[dim]kvmem: saving the sessions (after any running request)[/]")
-            _print_slots("saved", sessions.save_slots(handle.url, handle.headers, kept))
-        err_console.print("[dim]kvmem: stopping the server[/]")
-        code = handle.stop()
+        try:
+            if kept is not None:
+                err_console.print("[dim]kvmem: saving the sessions (after any running request; Ctrl-C again "
+                                  "stops without them)[/]")
+                _print_slots("saved", sessions.save_slots(handle.url, handle.headers, kept))
+        except KeyboardInterrupt:
+            err_console.print("[yellow]kvmem: sessions not saved (interrupted)[/]")
+        finally:
+            err_console.print("[dim]kvmem: stopping the server[/]")
+            code = handle.stop()
         err_console.print(f"[dim]kvmem: {process.describe_stop(handle.stop_result)} (exit code {code})[/]")
         return 0 if ready else 130
     except BaseException:
@@ -355,9 +360,11 @@ def stop_cmd(names: tuple[str, ...], stop_all: bool, timeout: float) -> None:
         console.print("no servers to stop")
     for record in records:
         kept = sessions.kept_dir(record.argv) if record.alive else None
-        if kept is not None:
-            _print_slots("saved", sessions.save_slots(record.url, sessions.headers_of(record), kept), record.name)
-        result = registry.stop(record, timeout)
+        try:
+            if kept is not None:
+                _print_slots("saved", sessions.save_slots(record.url, sessions.headers_of(record), kept), record.name)
+        finally:
+            result = registry.stop(record, timeout)
         console.print(f"{record.name}: {process.describe_stop(result)}")
 
 

@@ -112,7 +112,7 @@ def find_compiler() -> tuple[str, str | None]:
     if not candidates:
         raise BuildError("no C++ compiler found", hint="install one: apt-get install build-essential")
     static = [c for c in candidates if links_shared_cxx_runtime(c) is False]
-    usable = [c for c in candidates if c not in static]
+    usable = [c for c in candidates if c not in static]  # $CXX first, also when the probe cannot tell
     if not usable:
         raise BuildError(f"{', '.join(static)} link(s) the C++ runtime statically: every library of the engine would "
                          "carry its own copy, and its programs abort at exit (free(): invalid pointer)",

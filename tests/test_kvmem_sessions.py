@@ -276,3 +276,35 @@ def test_a_hybrid_model_slot_resumes_with_its_recurrent_state(llama_server, qwen
         again = complete(second.url, follow_up, n_predict=12, cache_prompt=True)
     assert again["tokens"] == expected
     assert again["timings"]["prompt_n"] < 64
+
+
+def test_a_slot_whose_restore_was_refused_does_not_overwrite_its_kept_session(smollm2, tmp_path: Path) -> None:
+    """A server that cannot take a kept file (here: another block size) leaves its slot empty; stopping it saves
+    nothing over the session, which the right server can still restore."""
+    env = {**os.environ, "KVMEM_SERVERS_DIR": str(tmp_path / "servers"),
+           "KVMEM_SESSIONS_DIR": str(tmp_path / "sessions")}
+    start = ["run", "--detach", "--keep-sessions", "--name", "keep", "--port", "auto", "--", *SERVER_TIERING]
+    url = _ready_url(_kvmem(start, env))
+    try:
+        complete(url, essay(80), n_predict=4, cache_prompt=True)
+    finally:
+        assert _kvmem(["stop", "keep"], env).returncode == 0
+    kept = tmp_path / "sessions" / "smollm2" / "slot-0.bin"
+    before = kept.read_bytes()
+    other = [*start]
+    other[other.index("--kvmem-block") + 1] = "128"
+    other[other.index("--kvmem-sink") + 1] = "128"
+    refused = _kvmem(other, env)
+    url = _ready_url(refused)
+    try:
+        assert "slot 0: not restored" in refused.stdout, refused.stdout
+    finally:
+        stop = _kvmem(["stop", "keep"], env)
+    assert stop.returncode == 0 and "saved" not in stop.stdout, stop.stdout
+    assert kept.read_bytes() == before
+    assert sorted(p.name for p in kept.parent.iterdir()) == ["slot-0.bin"]
+    restored = _kvmem(start, env)
+    try:
+        assert re.search(r"slot 0: restored [\d,]+ tokens", restored.stdout), restored.stdout
+    finally:
+        _kvmem(["stop", "keep"], env)

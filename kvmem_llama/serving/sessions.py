@@ -78,8 +78,8 @@ def _n_slots(url: str, headers: dict[str, str]) -> int:
     return int(props.get("total_slots") or 1)
 
 
-def _slot_action(url: str, headers: dict[str, str], slot: int, action: str) -> httpx.Response:
-    return httpx.post(f"{url}/slots/{slot}", params={"action": action}, json={"filename": slot_file(slot)},
+def _slot_action(url: str, headers: dict[str, str], slot: int, action: str, filename: str) -> httpx.Response:
+    return httpx.post(f"{url}/slots/{slot}", params={"action": action}, json={"filename": filename},
                       headers=headers, timeout=SAVE_TIMEOUT_S)
 
 
@@ -92,24 +92,30 @@ def _error(resp: httpx.Response) -> str:
 
 
 def save_slots(url: str, headers: dict[str, str], folder: Path) -> list[SlotResult]:
-    """Save every slot that holds a context into `folder` (the server's --slot-save-path); empty ones leave no
-    file. A save waits for the slot's running request to finish."""
+    """Save every slot that holds a context into `folder` (the server's --slot-save-path). Each is written beside
+    its kept file and replaces it only when it holds tokens: an empty slot (nothing asked yet, or a restore that
+    was refused) never overwrites a session. A save waits for the slot's running request to finish."""
     results = []
-    for slot in range(_n_slots(url, headers)):
+    try:
+        n_slots = _n_slots(url, headers)
+    except (httpx.HTTPError, ValueError) as exc:
+        return [SlotResult(0, error=f"the server does not answer: {exc}")]
+    for slot in range(n_slots):
+        fresh = folder / f"{SLOT_PREFIX}{slot}.new{SLOT_SUFFIX}"
         try:
-            resp = _slot_action(url, headers, slot, "save")
-        except httpx.HTTPError as exc:
+            resp = _slot_action(url, headers, slot, "save", fresh.name)
+            body = resp.json() if resp.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError) as exc:
             results.append(SlotResult(slot, error=f"{type(exc).__name__}: {exc}"))
+            fresh.unlink(missing_ok=True)
             continue
         if resp.status_code != 200:
             results.append(SlotResult(slot, error=_error(resp)))
-            continue
-        body = resp.json()
-        if not body.get("n_saved"):
-            (folder / slot_file(slot)).unlink(missing_ok=True)  # nothing to keep
-            continue
-        results.append(SlotResult(slot, int(body["n_saved"]), int(body.get("n_written", 0)),
-                                  float(body.get("timings", {}).get("save_ms", 0.0))))
+        elif body.get("n_saved"):
+            fresh.replace(folder / slot_file(slot))
+            results.append(SlotResult(slot, int(body["n_saved"]), int(body.get("n_written", 0)),
+                                      float(body.get("timings", {}).get("save_ms", 0.0))))
+        fresh.unlink(missing_ok=True)  # an empty slot: the kept file (if any) stays
     return results
 
 
@@ -121,7 +127,11 @@ def restore_slots(url: str, headers: dict[str, str], folder: Path) -> list[SlotR
         if session.slot >= n_slots:
             results.append(SlotResult(session.slot, error=f"this server has {n_slots} slot(s) (--parallel)"))
             continue
-        resp = _slot_action(url, headers, session.slot, "restore")
+        try:
+            resp = _slot_action(url, headers, session.slot, "restore", slot_file(session.slot))
+        except httpx.HTTPError as exc:
+            results.append(SlotResult(session.slot, error=f"{type(exc).__name__}: {exc}"))
+            continue
         if resp.status_code != 200:
             results.append(SlotResult(session.slot, error=_error(resp) + " (the server log says why)"))
             continue
@@ -166,4 +176,8 @@ def remove_sessions(model: str | None) -> list[KeptSession]:
     doomed = [s for s in list_sessions() if model is None or s.model == registry.slug(model)]
     for session in doomed:
         session.path.unlink(missing_ok=True)
+    folders = [root() / registry.slug(model)] if model else [f for f in root().glob("*") if f.is_dir()]
+    for folder in folders:  # what a save killed part way left
+        for stray in [*folder.glob(f"{SLOT_PREFIX}*.tmp"), *folder.glob(f"{SLOT_PREFIX}*.new{SLOT_SUFFIX}")]:
+            stray.unlink(missing_ok=True)
     return doomed

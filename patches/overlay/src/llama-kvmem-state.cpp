@@ -20,7 +20,12 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <random>
 #include <stdexcept>
+
+#ifndef _WIN32
+#include <unistd.h>
+#endif
 
 static constexpr uint32_t KVMEM_STATE_MAGIC   = 0x544d564b; // "KVMT"
 static constexpr uint32_t KVMEM_STATE_VERSION = 1;
@@ -63,6 +68,21 @@ static std::vector<T> kvmem_take_vec(llama_io_read_i & io, size_t max) {
     return v;
 }
 
+// a record of the wrong size (0 is allowed: "none") is a corrupt file, refused before it is read out of bounds
+static void kvmem_check_size(size_t got, size_t want, const char * what) {
+    if (got != 0 && got != want) {
+        throw std::runtime_error(format("a tiered state's %s holds %zu values, not %zu: the file is corrupt", what, got,
+                want));
+    }
+}
+
+template <typename T>
+static std::vector<T> kvmem_take_exact(llama_io_read_i & io, size_t n, const char * what) {
+    std::vector<T> v = kvmem_take_vec<T>(io, n);
+    kvmem_check_size(v.size(), n, what);
+    return v;
+}
+
 // a map of rows: its size, then each key and its values
 template <typename K, typename T>
 static void kvmem_put_map(llama_io_write_i & io, const std::map<K, std::vector<T>> & rows) {
@@ -84,8 +104,8 @@ static std::map<K, std::vector<T>> kvmem_take_map(llama_io_read_i & io, size_t m
 }
 
 std::string llama_kvmem_cache::state_layout() const {
-    std::string s = format("model %s; block %u tokens; summary %zu floats; %zu tiered layers", model_id.c_str(), kp.block,
-            scorer->summary_size(), lrows.size());
+    std::string s = format("model %s; block %u tokens; query %u tokens; summary %zu floats; %zu tiered layers",
+            model_id.c_str(), kp.block, kp.query_tokens, scorer->summary_size(), lrows.size());
     for (const auto & l : lrows) {
         s += format("; layer %u pool %s/%s", l.il, ggml_type_name(l.pool_k), ggml_type_name(l.pool_v));
     }
@@ -162,6 +182,9 @@ void llama_kvmem_cache::write_seq(llama_io_write_i & io, llama_seq_id seq_id, co
 void llama_kvmem_cache::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
     refuse_state_with_followers();
     read_header(io); // a state of another layout is refused before anything changes
+    if (seq_id != -1) {
+        seq_rm(seq_id, -1, -1); // what is replaced goes first, also when the state holds no cells
+    }
     const uint32_t hint = kvmem_take<uint32_t>(io);
     // the working set: llama_kv_cache empties what it replaces (our seq_rm and clear give the old history's host
     // slots back), into the cells the sequence had when they are free
@@ -229,7 +252,9 @@ llama_kv_cache::slot_info_vec_t llama_kvmem_cache::saved_layout(const std::vecto
     if (seq_id == -1 || cells.empty()) {
         return {};
     }
-    seq_rm(seq_id, -1, -1);
+    if (!std::is_sorted(cells.begin(), cells.end()) || std::adjacent_find(cells.begin(), cells.end()) != cells.end()) {
+        throw std::runtime_error("a tiered state's cell list is not in order: the file is corrupt");
+    }
     const auto & kv = kvmem_cells();
     for (const uint32_t i : cells) {
         if (i >= kv.size() || !kv.is_empty(i)) {
@@ -256,18 +281,26 @@ void llama_kvmem_cache::read_seq(llama_io_read_i & io, llama_seq_id seq_id) {
         kvmem_block hb;
         hb.picked = kvmem_take<uint8_t>(io) != 0;
         hb.score  = kvmem_take<float>(io);
-        hb.ext    = kvmem_take_vec<llama_kv_cell_ext>(io, kp.block);
+        hb.ext    = kvmem_take_exact<llama_kv_cell_ext>(io, kp.block, "M-RoPE positions");
+        if (st.blocks.count(b)) {
+            throw std::runtime_error(format("a tiered state holds block %d twice: the file is corrupt", b));
+        }
         GGML_ASSERT(pool.take(hb.slot)); // room checked above
         auto & placed = st.blocks.emplace(b, std::move(hb)).first->second; // books first: a failure gives it back
         io.read(pool.slot_ptr(placed.slot), pool.block_bytes());
         std::vector<float> sum = kvmem_take_vec<float>(io, scorer->summary_size());
+        kvmem_check_size(sum.size(), scorer->summary_size(), "block summary");
         if (!sum.empty()) {
             st.rows.summary[b] = std::move(sum);
             store_summary(st, b, placed);
         }
     }
     for (auto & [b, sum] : kvmem_take_map<int32_t, float>(io, scorer->summary_size())) {
+        kvmem_check_size(sum.size(), scorer->summary_size(), "block summary");
         st.rows.summary[b] = std::move(sum);
+    }
+    for (auto & [b, hb] : st.blocks) {
+        store_summary(st, b, hb); // saved by a host scorer, restored where the summaries live on the scoring backend
     }
     for (uint32_t i = 0, n = kvmem_take<uint32_t>(io); i < n; ++i) {
         const int32_t b = kvmem_take<int32_t>(io);
@@ -276,15 +309,19 @@ void llama_kvmem_cache::read_seq(llama_io_read_i & io, llama_seq_id seq_id) {
     }
     st.rows.key = kvmem_take_map<llama_pos, float>(io, dims.key_row());
     st.rows.tokens = kvmem_take_map<int32_t, llama_token>(io, kp.block);
+    for (const auto & [p, row] : st.rows.key) {
+        kvmem_check_size(row.size(), dims.key_row(), "key row");
+    }
+    for (const auto & [b, toks] : st.rows.tokens) {
+        kvmem_check_size(toks.size(), kp.block, "block's token ids");
+    }
     for (const auto & [b, toks] : st.rows.tokens) {
         if (st.blocks.count(b)) {
             st.lexicon.add(b, toks); // a document for the lexical picks, as when it was written through
         }
     }
     for (auto & [p, row] : kvmem_take_map<llama_pos, float>(io, dims.query_row())) {
-        if (row.size() != dims.query_row()) {
-            throw std::runtime_error("a tiered state's query row has the wrong size: the file is corrupt");
-        }
+        kvmem_check_size(row.size(), dims.query_row(), "query row");
         float * ring = query_store ? query_store->ring_row((uint32_t) seq_id, p) : nullptr;
         if (ring) {
             std::copy(row.begin(), row.end(), ring);
@@ -303,7 +340,8 @@ void llama_kvmem_cache::read_seq(llama_io_read_i & io, llama_seq_id seq_id) {
 }
 
 size_t llama_kvmem_write_file(const char * path, const std::function<size_t(llama_file &)> & write) {
-    const std::string tmp = std::string(path) + ".tmp";
+    // a name of its own: two processes saving the same file do not write into one temporary file
+    const std::string tmp = format("%s.%08x.tmp", path, (unsigned) std::random_device{}());
     FILE * fp = std::fopen(tmp.c_str(), "wb");
     if (!fp) {
         throw std::runtime_error(format("cannot write %s: %s", tmp.c_str(), std::strerror(errno)));
@@ -321,8 +359,12 @@ size_t llama_kvmem_write_file(const char * path, const std::function<size_t(llam
         std::remove(tmp.c_str());
         throw;
     }
-    // buffered bytes that do not fit (a full disk) fail here, not in write()
-    const bool flushed = std::fflush(fp) == 0;
+    // buffered bytes that do not fit (a full disk) fail here, not in write(); the rename comes after the data is on
+    // the disk, so a power cut leaves the old file or the new one
+    bool flushed = std::fflush(fp) == 0;
+#ifndef _WIN32
+    flushed = flushed && fsync(fileno(fp)) == 0;
+#endif
     const int  err     = errno;
     if (std::fclose(fp) != 0 || !flushed || std::rename(tmp.c_str(), path) != 0) {
         const std::string why = std::strerror(flushed ? errno : err);

@@ -7,7 +7,8 @@
 
 struct llama_file;
 
-// `write` fills a temporary file beside `path`, renamed over `path` once it is complete and flushed: a save that
-// fails part way (a full disk, a state the engine refuses) or is killed leaves the old file as it was and no
-// temporary file. Returns what `write` returns; throws with the reason.
+// `write` fills a temporary file beside `path` (PATH.XXXXXXXX.tmp), renamed over `path` once it is complete and on
+// the disk: a save that fails part way (a full disk, a state the engine refuses) leaves the old file as it was and
+// no temporary file; a killed one leaves the old file and its temporary file. Returns what `write` returns; throws
+// with the reason.
 size_t llama_kvmem_write_file(const char * path, const std::function<size_t(llama_file &)> & write);

@@ -280,7 +280,7 @@ private:
     void refuse_state_with_followers() const;
     void write_seq(llama_io_write_i & io, llama_seq_id seq_id, const kvmem_seq & st) const;
     void read_header(llama_io_read_i & io) const;
-    // where a restored sequence's cells go: the saved cells when all are free (after emptying the sequence)
+    // where a restored sequence's cells go: the saved cells when all are free (the sequence emptied first)
     slot_info_vec_t saved_layout(const std::vector<uint32_t> & cells, llama_seq_id seq_id);
     void read_seq(llama_io_read_i & io, llama_seq_id seq_id);
 
