@@ -111,16 +111,17 @@ def find_compiler() -> tuple[str, str | None]:
             candidates.append(path)
     if not candidates:
         raise BuildError("no C++ compiler found", hint="install one: apt-get install build-essential")
-    static = [c for c in candidates if links_shared_cxx_runtime(c) is False]
-    usable = [c for c in candidates if c not in static]  # $CXX first, also when the probe cannot tell
-    if not usable:
-        raise BuildError(f"{', '.join(static)} link(s) the C++ runtime statically: every library of the engine would "
-                         "carry its own copy, and its programs abort at exit (free(): invalid pointer)",
-                         hint="install g++ with its shared runtime (apt-get install g++) or point CXX at one")
-    passed_over = [c for c in static if candidates.index(c) < candidates.index(usable[0])]
-    note = (f"{', '.join(passed_over)} links the C++ runtime statically (every library would carry its own copy); "
-            f"using {usable[0]}") if passed_over else None
-    return usable[0], note
+    static: list[str] = []  # probed in order until one will do ($CXX first, also when the probe cannot tell)
+    for compiler in candidates:
+        if links_shared_cxx_runtime(compiler) is False:
+            static.append(compiler)
+            continue
+        note = (f"{', '.join(static)} links the C++ runtime statically (every library would carry its own copy); "
+                f"using {compiler}") if static else None
+        return compiler, note
+    raise BuildError(f"{', '.join(static)} link(s) the C++ runtime statically: every library of the engine would "
+                     "carry its own copy, and its programs abort at exit (free(): invalid pointer)",
+                     hint="install g++ with its shared runtime (apt-get install g++) or point CXX at one")
 
 
 @functools.cache

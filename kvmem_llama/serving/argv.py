@@ -119,6 +119,11 @@ def _refuse(what: str, value: str) -> None:
                           f"`kvmem run {repo}:FILE.gguf` or `kvmem serve -m PATH`")
 
 
+def bearer_headers(api_key: str | None) -> dict[str, str]:
+    """What a client of a server started with --api-key sends (nothing without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def api_key_from(args: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
     """The (first) API key a llama-server started with `args` asks for: --api-key K1,K2 or --api-key-file
     (one key a line, # comments), else their env twins LLAMA_API_KEY / LLAMA_ARG_API_KEY_FILE."""

@@ -37,7 +37,7 @@ import psutil
 
 from kvmem_llama import kvmem_log
 from kvmem_llama.errors import KvmemError
-from kvmem_llama.serving.argv import api_key_from, slot_context
+from kvmem_llama.serving.argv import api_key_from, bearer_headers, slot_context
 from kvmem_llama.serving.readiness import check_self_test, self_test_prompt
 
 LOOPBACK = "127.0.0.1"
@@ -290,7 +290,7 @@ class ServerProcess:
     @property
     def headers(self) -> dict[str, str]:
         """What a client of this server sends: the bearer token when it was started with --api-key."""
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer_headers(self.api_key)
 
     def log_text(self) -> str:
         """Everything this run logged so far."""

@@ -54,8 +54,7 @@ def kept_dir(args: Sequence[str]) -> Path | None:
 
 def headers_of(record: registry.ServerRecord) -> dict[str, str]:
     """What a client of a registered server sends: its bearer token when it was started with --api-key."""
-    key = server_argv.api_key_from(record.argv)
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    return server_argv.bearer_headers(server_argv.api_key_from(record.argv))
 
 
 @dataclass

@@ -53,7 +53,7 @@ static void kvmem_put_vec(llama_io_write_i & io, const std::vector<T> & v) {
 // what a record of unbounded size may hold at most (a corrupt length must not allocate the machine's memory)
 static constexpr size_t kvmem_take_limit = (size_t) 1 << 34;
 
-// a vector of at most `max` values (a corrupt length must not allocate the machine's memory)
+// a vector of at most `max` values
 template <typename T>
 static std::vector<T> kvmem_take_vec(llama_io_read_i & io, size_t max) {
     const uint64_t n = kvmem_take<uint64_t>(io);
