@@ -20,7 +20,7 @@ from kvmem_llama.engine import Engine
 
 pytestmark = pytest.mark.engine
 
-SUITES = {"seq", "residency", "score", "lexical", "plan", "journal", "pool", "params", "summaries", "queries",
+SUITES = {"seq", "residency", "score", "lexical", "plan", "journal", "pool", "disk", "params", "summaries", "queries",
           "stager", "readback"}
 
 

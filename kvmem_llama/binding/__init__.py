@@ -143,6 +143,8 @@ class KvmemStats:
     staged_out: int
     evicted: int
     last_select_ms: float
+    blocks_disk: int = 0  # on the disk tier (--kvmem-disk-path)
+    disk_bytes: int = 0
 
 
 @dataclass
@@ -279,7 +281,8 @@ class Llama:
             enabled=rc == 0, budget=st.budget, block_tokens=st.block_tokens, blocks_gpu=st.n_blocks_gpu,
             blocks_host=st.n_blocks_host, host_bytes=st.host_bytes, host_capacity_bytes=st.host_capacity_bytes,
             selections=st.n_selections, staged_in=st.n_staged_in, staged_out=st.n_staged_out,
-            evicted=st.n_evicted, last_select_ms=st.last_select_ms,
+            evicted=st.n_evicted, last_select_ms=st.last_select_ms, blocks_disk=st.n_blocks_disk,
+            disk_bytes=st.disk_bytes,
         )
 
     def kvmem_last_error(self) -> str:

@@ -92,6 +92,8 @@ struct llama_context_params {
     int32_t kvmem_gen_reserve;
     int32_t kvmem_query_tokens;
     int32_t kvmem_host_mib;
+    const char * kvmem_disk_path;
+    int32_t kvmem_disk_mib;
     int32_t kvmem_method;
     int32_t kvmem_refresh;
     bool kvmem_trace;
@@ -113,6 +115,9 @@ struct llama_kvmem_stats {
     int64_t n_staged_out;
     int64_t n_evicted;
     double last_select_ms;
+    int32_t n_blocks_disk;
+    int64_t disk_bytes;
+    int64_t disk_capacity_bytes;
 };
 
 typedef struct llama_batch {

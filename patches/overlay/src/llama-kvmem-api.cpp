@@ -14,12 +14,14 @@ void llama_kvmem_cache::publish() {
     for (const auto & [s, st] : seqs) {
         counters & x = per[s];
         x.n_blocks_gpu  = (int32_t) st.n_resident();
-        x.n_blocks_host = (int32_t) st.blocks.size();
+        x.n_blocks_disk = (int32_t) n_on_disk(st);
+        x.n_blocks_host = (int32_t) st.blocks.size() - x.n_blocks_disk;
         x.n_select      = st.n_select;
         x.last_ms       = st.last_ms;
         total.n_blocks_gpu += x.n_blocks_gpu;
     }
     total.n_blocks_host = (int32_t) pool.n_used();
+    total.n_blocks_disk = (int32_t) (disk.capacity() - disk.n_free());
     std::lock_guard<std::mutex> lock(snap_mutex);
     snap_total = total;
     snap_seq.swap(per);
@@ -39,6 +41,9 @@ void llama_kvmem_cache::get_stats(llama_kvmem_stats * out) const {
     out->n_staged_out        = snap_total.n_staged_out;
     out->n_evicted           = snap_total.n_evicted;
     out->last_select_ms      = snap_total.last_ms;
+    out->n_blocks_disk       = snap_total.n_blocks_disk;
+    out->disk_bytes          = (int64_t) snap_total.n_blocks_disk*disk.record_bytes();
+    out->disk_capacity_bytes = (int64_t) disk.capacity()*disk.record_bytes();
 }
 
 void llama_kvmem_cache::get_seq_stats(llama_seq_id seq_id, llama_kvmem_stats * out) const {
@@ -49,6 +54,8 @@ void llama_kvmem_cache::get_seq_stats(llama_seq_id seq_id, llama_kvmem_stats * o
     out->n_blocks_gpu   = x.n_blocks_gpu;
     out->n_blocks_host  = x.n_blocks_host;
     out->host_bytes     = (int64_t) x.n_blocks_host*pool.block_bytes();
+    out->n_blocks_disk  = x.n_blocks_disk;
+    out->disk_bytes     = (int64_t) x.n_blocks_disk*disk.record_bytes();
     out->n_selections   = x.n_select;
     out->last_select_ms = x.last_ms;
 }

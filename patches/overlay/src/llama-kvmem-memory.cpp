@@ -172,7 +172,7 @@ void llama_kvmem_cache::drop_host_blocks(llama_seq_id seq_id, int32_t b0) {
         return;
     }
     for (auto it = st->blocks.lower_bound(b0); it != st->blocks.end(); ) {
-        pool.give(it->second.slot);
+        release_storage(it->second);
         it = st->blocks.erase(it);
     }
     st->lexicon.remove_from(b0);
@@ -183,7 +183,7 @@ void llama_kvmem_cache::clear(bool data) {
     llama_kv_cache::clear(data);
     for (auto & [s, st] : seqs) {
         for (auto & [b, hb] : st.blocks) {
-            pool.give(hb.slot);
+            release_storage(hb);
         }
     }
     seqs.clear();
@@ -205,7 +205,7 @@ void llama_kvmem_cache::bring_back_last(llama_seq_id seq_id, kvmem_seq & st, lla
     const int32_t bl = (p0 - 1)/(int32_t) kp.block;
     const auto it = st.blocks.find(bl);
     if (it != st.blocks.end() && !it->second.resident) {
-        const bool staged = stage_in_making_room(seq_id, bl, it->second, nullptr);
+        const bool staged = !it->second.on_disk && stage_in_making_room(seq_id, bl, it->second, nullptr);
         copier.wait();
         if (!staged) {
             LLAMA_LOG_WARN("%s: kvmem: could not bring back block %d of seq %d\n", __func__, bl, seq_id);
@@ -243,7 +243,7 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
         for (int32_t b = p0/B; b <= (p1 - 1)/B; ++b) {
             const auto it = st->blocks.find(b);
             if (it != st->blocks.end()) {
-                pool.give(it->second.slot);
+                release_storage(it->second);
                 st->blocks.erase(it);
                 st->lexicon.remove(b);
             }
@@ -256,6 +256,11 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
     const int32_t b_past = (p0 + B - 1)/B;
     const bool ok_past = llama_kv_cache::seq_rm(seq_id, b_past*B, POS_END);
     drop_host_blocks(seq_id, b_past);
+    if (!bring_home(seq_id, { seq_id })) {
+        // blocks that stay on disk are out of the working set until the sequence's next batch brings them back (or
+        // is refused with the reason)
+        LLAMA_LOG_WARN("%s: kvmem: %s\n", __func__, get_last_error().c_str());
+    }
     undo_events(seq_id, *st, p0);
     if (st->turn.pos >= 0 && p0 < st->turn.pos) {
         st->cut_prompt(); // the prompt itself is cut: what follows is a new prompt

@@ -5,6 +5,7 @@
 // Python side (which reads them from the engine) all take them from here.
 
 #include <cstdint>
+#include <string>
 
 // how blocks beyond the sink, the question and the recent window are picked (llama.h keeps the same numbers)
 enum llama_kvmem_method_e {
@@ -47,6 +48,8 @@ struct llama_kvmem_params {
     uint32_t query_tokens = 128; // the query: at most this many tokens of the last user message (its end)
     uint32_t refresh      = 128; // re-select every N generated tokens, 0 = only when the reserve is full
     uint32_t host_mib     = 0;   // host pool cap in MiB, 0 = enough for the whole context
+    std::string disk_path;       // the disk tier's directory, empty = no disk tier
+    uint32_t disk_mib     = 0;   // the disk tier's size in MiB, 0 = the host pool's size
     int32_t  method       = LLAMA_KVMEM_METHOD_RETRIEVAL;
     int32_t  prefill      = LLAMA_KVMEM_PREFILL_WINDOW;
     int32_t  gpu_type     = LLAMA_KVMEM_GPU_TYPE_F16;

@@ -328,9 +328,10 @@ void llama_kvmem_cache::init_pool(uint32_t n_ctx_total) {
 }
 
 bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ubatches) {
-    // every block the batch completes is written through to the host pool; when it would not fit, the
-    // batch is refused before any work (decode returns 1, as for a full KV cache, so the server frees
-    // idle slots of a shared pool and retries)
+    // every block the batch completes is written through to the host pool, and its sequences' blocks on the disk
+    // tier come back; when that would not fit (after moving other sequences' blocks to disk), the batch is refused
+    // before any work (decode returns 1, as for a full KV cache, so the server frees idle slots of a shared pool
+    // and retries)
     std::map<llama_seq_id, llama_pos> pmax;
     for (size_t u = 0; u < n_ubatches; ++u) {
         const llama_ubatch & ub = ubatches[u];
@@ -339,19 +340,42 @@ bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ub
             pmax[ub.seq_id[i][0]] = it == pmax.end() ? ub.pos[i] : std::max(it->second, ub.pos[i]);
         }
     }
-    uint32_t need = 0;
+    std::set<llama_seq_id> batch_seqs;
+    uint32_t need = 0, back = 0;
+    use_clock++;
     for (const auto & [s, p] : pmax) {
-        const kvmem_seq * st = find_seq(s);
+        batch_seqs.insert(s);
+        kvmem_seq * st = find_seq(s);
         const int32_t next = st ? st->next_host : 0;
         const int32_t done = (p + 1)/(int32_t) kp.block;
         need += done > next ? done - next : 0;
+        if (st) {
+            st->last_used = use_clock;
+            back += n_on_disk(*st);
+        }
     }
-    if (need <= pool.n_free()) {
+    // the batch's sequences come back first (trading places with others), then room for the blocks it completes
+    for (const llama_seq_id s : batch_seqs) {
+        if (!bring_home(s, batch_seqs)) {
+            LLAMA_LOG_ERROR("%s: %s\n", __func__, get_last_error().c_str());
+            return false;
+        }
+    }
+    const bool room = make_host_room(need, batch_seqs);
+    const bool moved = back > 0 || n_spilled > 0;
+    settle_disk("the host pool is full");
+    if (moved) {
+        publish();
+    }
+    if (room) {
         return true;
     }
-    set_last_error(format("KV tiering host pool is full (%u blocks of %u tokens, %.1f MiB, %u free): this request needs %u more; "
-            "raise --kvmem-host-mib (or lower the context)", pool.capacity(), kp.block, pool.mib(pool.capacity()),
-            pool.n_free(), need));
+    const std::string disk_note = disk.enabled() ? format("; the disk tier has %u of %u blocks free", disk.n_free(),
+            disk.capacity()) : "";
+    set_last_error(format("KV tiering host pool is full (%u blocks of %u tokens, %.1f MiB, %u free%s): this request "
+            "needs %u more; raise --kvmem-host-mib%s (or lower the context)", pool.capacity(), kp.block,
+            pool.mib(pool.capacity()), pool.n_free(), disk_note.c_str(), need,
+            disk.enabled() ? " or --kvmem-disk-mib" : " or add a disk tier (--kvmem-disk-path)"));
     return false;
 }
 
@@ -385,7 +409,7 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
         for (int32_t t = 0; t < B; ++t) {
             hb.ext[t] = cells.ext_get(idx[t]);
         }
-        copier.to_host(pool.slot_ptr(hb.slot), idx);
+        copier.to_host(pool_bytes(hb), idx);
         st.blocks.emplace(b, std::move(hb));
         const auto toks = st.rows.tokens.find(b);
         if (toks != st.rows.tokens.end()) {
@@ -487,7 +511,7 @@ bool llama_kvmem_cache::stage_in_at(llama_seq_id seq_id, int32_t b, kvmem_block 
             return false;
         }
     }
-    copier.to_device(pool.slot_ptr(hb.slot), idx);
+    copier.to_device(pool_bytes(hb), idx);
     book_stage_in(seq_id, b, hb, idx, journal);
     return true;
 }

@@ -238,6 +238,7 @@ void llama_kvmem_cache::store_summary(kvmem_seq & st, int32_t b, kvmem_block & h
     if (!summaries || host == st.rows.summary.end()) {
         return; // the host scorer reads them here
     }
+    GGML_ASSERT(!hb.on_disk && "a summary goes into the slot of a block in the pool");
     summaries->put(hb.slot, host->second.data());
     hb.summarized = true;
     st.rows.summary.erase(host);
@@ -249,6 +250,12 @@ std::vector<float> llama_kvmem_cache::block_summary(const kvmem_seq & st, int32_
         return host->second;
     }
     const auto hb = st.blocks.find(b);
+    if (summaries && hb != st.blocks.end() && hb->second.summarized && hb->second.on_disk) {
+        std::vector<uint8_t> bytes;
+        std::vector<float> summary;
+        read_spilled(hb->second, bytes, summary);
+        return summary;
+    }
     if (summaries && hb != st.blocks.end() && hb->second.summarized) {
         return summaries->get(hb->second.slot);
     }

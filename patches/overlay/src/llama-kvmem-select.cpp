@@ -214,6 +214,7 @@ kvmem_score_fn llama_kvmem_cache::score_fn(llama_seq_id seq_id, const kvmem_seq 
             std::vector<float> & out) {
         std::vector<uint32_t> slots;
         for (const int32_t b : ids) {
+            GGML_ASSERT(!st.blocks.at(b).on_disk && "a sequence's blocks come back from disk before it runs");
             slots.push_back(st.blocks.at(b).slot);
         }
         copier.wait(); // the summaries' uploads share the device's stream
@@ -274,7 +275,7 @@ void llama_kvmem_cache::apply_target(llama_seq_id seq_id, kvmem_seq & st, const 
     }
     const std::vector<std::vector<uint32_t>> placed = place_stage_ins(seq_id, leaving, coming.size());
     for (size_t j = 0; j < placed.size(); ++j) {
-        copier.to_device(pool.slot_ptr(st.blocks.at(coming[j]).slot), placed[j]);
+        copier.to_device(pool_bytes(st.blocks.at(coming[j])), placed[j]);
     }
     for (const int32_t b : leaving) {
         evict_block(seq_id, b, st.blocks.at(b), journal);
@@ -429,7 +430,8 @@ void llama_kvmem_cache::undo_events(llama_seq_id seq_id, kvmem_seq & st, llama_p
     // a truncation below a re-selection's position (a rejected speculative draft): one-token decoding
     // would not have re-selected yet, so the working set goes back to what it was before, cell for cell
     const kvmem_undo_ops undo_ops = {
-        /*is_back   =*/ [this](llama_seq_id s, int32_t b) { const kvmem_block * hb = find_block(s, b); return !hb || hb->resident; },
+        // a block another sequence moved to disk meanwhile is gone for the undo: its sequence selects again
+        /*is_back   =*/ [this](llama_seq_id s, int32_t b) { const kvmem_block * hb = find_block(s, b); return !hb || hb->resident || hb->on_disk; },
         /*is_staged =*/ [this](llama_seq_id s, int32_t b) { const kvmem_block * hb = find_block(s, b); return hb && hb->resident; },
         /*evict     =*/ [this](llama_seq_id s, int32_t b) { evict_block(s, b, *find_block(s, b), nullptr); },
         /*stage_at  =*/ [this](llama_seq_id s, int32_t b, const std::vector<uint32_t> & idx) {

@@ -51,6 +51,8 @@ struct kvmem_block {
     bool     picked   = false; // chosen by the score of the last selection (picks leave lowest score first)
     float    score    = 0.0f;
     bool     summarized = false; // its summary is in the summary store's slot, the only copy (not in rows.summary)
+    bool     on_disk  = false; // in the disk tier's record disk_rec (with its summary), not in the pool (slot is free)
+    uint32_t disk_rec = 0;
     std::vector<llama_kv_cell_ext> ext; // per token (M-RoPE positions)
 };
 
@@ -133,6 +135,8 @@ public:
     bool      prompt_mark = false; // the application said a new prompt starts
     bool      released    = false; // the application is done with it for now: others may take its cells
     bool      squeezed    = false; // this prompt lost blocks within its share to another's (logged once)
+
+    uint64_t last_used = 0; // when a batch of it last ran (the least recently used goes to disk first)
 
     int64_t n_select = 0;
     double  last_ms  = 0.0;

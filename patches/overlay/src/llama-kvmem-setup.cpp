@@ -27,6 +27,8 @@ static llama_kvmem_params kvmem_params_of(const llama_context_params & params) {
     kp.query_tokens = std::max(0, params.kvmem_query_tokens);
     kp.refresh      = std::max(0, params.kvmem_refresh);
     kp.host_mib     = std::max(0, params.kvmem_host_mib);
+    kp.disk_path    = params.kvmem_disk_path ? params.kvmem_disk_path : "";
+    kp.disk_mib     = std::max(0, params.kvmem_disk_mib);
     kp.method       = params.kvmem_method;
     kp.prefill      = params.kvmem_prefill;
     kp.gpu_type     = params.kvmem_gpu_type;
@@ -65,6 +67,9 @@ static std::string kvmem_params_error(const llama_kvmem_params & kp) {
     }
     if (kp.score_on < LLAMA_KVMEM_SCORE_ON_AUTO || kp.score_on > LLAMA_KVMEM_SCORE_ON_HOST) {
         return format("--kvmem-score-on %d is unknown", kp.score_on);
+    }
+    if (kp.disk_mib > 0 && kp.disk_path.empty()) {
+        return format("--kvmem-disk-mib %u needs --kvmem-disk-path (the directory of the disk tier)", kp.disk_mib);
     }
     return "";
 }
@@ -242,6 +247,7 @@ llama_kvmem_cache::llama_kvmem_cache(
         target->followers.push_back(this);
     }
     init_summaries();
+    init_disk();
 
     if (target) {
         LLAMA_LOG_WARN("kvmem_score: DRAFT follows the target's selection: blocks=%u layers=%zu host_mib=%.0f\n",

@@ -149,7 +149,15 @@ void llama_kvmem_cache::write_seq(llama_io_write_i & io, llama_seq_id seq_id, co
         kvmem_put<uint8_t>(io, hb.picked);
         kvmem_put(io, hb.score);
         kvmem_put_vec(io, hb.ext);
-        io.write(pool.slot_ptr(hb.slot), pool.block_bytes());
+        if (hb.on_disk) { // read where it waits
+            std::vector<uint8_t> bytes;
+            std::vector<float> summary;
+            read_spilled(hb, bytes, summary);
+            io.write(bytes.data(), bytes.size());
+            kvmem_put_vec(io, summary);
+            continue;
+        }
+        io.write(pool_bytes(hb), pool.block_bytes());
         kvmem_put_vec(io, hb.summarized ? block_summary(st, b) : std::vector<float>()); // from the summary store
     }
     // the summaries kept here (the host scorer's, blocks not in the pool yet), the newest key rows (to rebuild a
@@ -272,7 +280,7 @@ void llama_kvmem_cache::read_seq(llama_io_read_i & io, llama_seq_id seq_id) {
     kvmem_seq & st = open_seq(seq_id);
     st.next_host = kvmem_take<int32_t>(io);
     const uint32_t n_blocks = kvmem_take<uint32_t>(io);
-    if (n_blocks > pool.n_free()) {
+    if (n_blocks > pool.n_free() && !make_host_room(n_blocks, { seq_id })) {
         throw std::runtime_error(format("the state holds %u blocks of history; the host pool has room for %u (raise "
                 "--kvmem-host-mib)", n_blocks, pool.n_free()));
     }

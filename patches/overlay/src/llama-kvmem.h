@@ -37,6 +37,7 @@
 //   llama-kvmem-readback.*   a ubatch's captured tensors read back in one round (pinned on a GPU)
 //   llama-kvmem-queries.*    the graph scorer's query rows: host rings, the question kept on the device
 //   llama-kvmem-pool.*       the host pool and the copies between it and the working set
+//   llama-kvmem-disk.*       the disk tier's file under the host pool; llama-kvmem-spill.cpp what goes there and back
 //   llama-kvmem-memory.cpp   llama_memory_i operations (batches, seq_rm, clear, ...)
 //   llama-kvmem-setup.cpp    construction, the checks that disable tiering, the memory factory
 //   llama-kvmem-graph.cpp    the graph hook that captures pre-RoPE K and Q
@@ -46,6 +47,7 @@
 //   llama-kvmem-api.cpp      the C API and the thread-safe stats
 
 #include "llama-kv-cache.h"
+#include "llama-kvmem-disk.h"
 #include "llama-kvmem-params.h"
 #include "llama-kvmem-pool.h"
 #include "llama-kvmem-queries.h"
@@ -164,7 +166,8 @@ public:
 
     const llama_kvmem_params & params() const { return kp; }
 
-    // false (and the error set) when the blocks these ubatches complete do not fit in the host pool
+    // false (and the error set) when the blocks these ubatches complete do not fit in the host pool; with a disk
+    // tier, other sequences' blocks go to disk to make room, and the ubatches' sequences' blocks on disk come back
     bool host_room_for(const llama_ubatch * ubatches, size_t n_ubatches);
 
     // sequences the working set holds at once, each at its floor share plus an open block or its reserve
@@ -304,11 +307,33 @@ private:
             size_t n_in);
     std::vector<uint32_t> block_cells(llama_seq_id seq_id, int32_t b) const;
     void write_through(llama_seq_id seq_id);
+    // a block's bytes in the pool (asserts it is not on disk)
+    uint8_t * pool_bytes(const kvmem_block & hb) const;
+    // a block's storage given back: its pool slot, or its disk record
+    void release_storage(kvmem_block & hb);
+
+    // the disk tier (llama-kvmem-spill.cpp)
+    kvmem_disk_tier disk;
+    uint64_t use_clock = 0; // ticks at every batch: sequences' last use
+    void init_disk();
+    // `need` free pool slots: blocks of sequences outside `keep` go to disk (released, then idle, then the others,
+    // least recently used first; within one, blocks out of the working set first); false when they do not suffice
+    bool make_host_room(uint32_t need, const std::set<llama_seq_id> & keep);
+    bool spill(kvmem_block & hb, std::string & err);
+    uint32_t n_spilled = 0; // blocks moved to disk since the last settle_disk
+    // the blocks moved to disk on the disk, out of the page cache, and said in the log
+    void settle_disk(const char * why);
+    // every block of seq_id on disk back into the pool (others' leave for them); false with the error set when some stay
+    bool bring_home(llama_seq_id seq_id, const std::set<llama_seq_id> & keep);
+    uint32_t n_on_disk(const kvmem_seq & st) const;
+    // the bytes and the summary of a block on disk (state saves read them there)
+    void read_spilled(const kvmem_block & hb, std::vector<uint8_t> & bytes, std::vector<float> & summary) const;
 
     // stats (llama-kvmem-api.cpp): totals written by the decode thread, published under the lock
     struct counters {
         int32_t n_blocks_gpu  = 0;
         int32_t n_blocks_host = 0;
+        int32_t n_blocks_disk = 0;
         int64_t n_select      = 0;
         int64_t n_staged_in   = 0;
         int64_t n_staged_out  = 0;

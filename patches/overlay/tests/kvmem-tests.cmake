@@ -1,5 +1,5 @@
 # kvmem-llama: C++ unit tests of the tiering engine's pure parts (no model, no server): the phase machine, the
-# residency rules, the scorers and lexical picks, the selection plan, the undo journal, the host pool, the settings, the
+# residency rules, the scorers and lexical picks, the selection plan, the undo journal, the host pool, the disk tier, the settings, the
 # device scorer and its query rows, the stager's graphs and the captures' readback (on the CPU backend).
 # Built by the CPU engine's build (KVMEM_BUILD_TESTS=ON, included from the top-level CMakeLists.txt), run by ctest;
 # kvmem-llama's tests/test_engine_units.py runs ctest.
@@ -11,6 +11,7 @@ add_executable(test-kvmem
     ${CMAKE_CURRENT_LIST_DIR}/test-kvmem-score.cpp
     ${CMAKE_CURRENT_LIST_DIR}/test-kvmem-plan.cpp
     ${CMAKE_CURRENT_LIST_DIR}/test-kvmem-pool.cpp
+    ${CMAKE_CURRENT_LIST_DIR}/test-kvmem-disk.cpp
     ${CMAKE_CURRENT_LIST_DIR}/test-kvmem-params.cpp
     ${CMAKE_CURRENT_LIST_DIR}/test-kvmem-summaries.cpp
     ${CMAKE_CURRENT_LIST_DIR}/test-kvmem-queries.cpp
@@ -21,7 +22,7 @@ target_include_directories(test-kvmem PRIVATE ${PROJECT_SOURCE_DIR}/src)
 target_link_libraries(test-kvmem PRIVATE llama ggml)
 target_compile_features(test-kvmem PRIVATE cxx_std_17)
 
-foreach (suite seq residency score lexical plan journal pool params summaries queries stager readback)
+foreach (suite seq residency score lexical plan journal pool disk params summaries queries stager readback)
     add_test(NAME kvmem-${suite} COMMAND test-kvmem ${suite})
     set_property(TEST kvmem-${suite} PROPERTY LABELS kvmem)
 endforeach()

@@ -1,0 +1,201 @@
+// KVMem: blocks between the host pool and the disk tier (kvmem-llama). When a batch needs pool slots that are not
+// free, blocks of the other sequences go to disk, the least recently used sequence first and, within it, its blocks
+// out of the working set first; a sequence's blocks on disk come back before it runs again (its batches, a
+// truncation). See llama-kvmem-disk.h for the file.
+
+#include "llama-kvmem.h"
+
+#include "llama-impl.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <tuple>
+
+void llama_kvmem_cache::init_disk() {
+    if (leader || kp.disk_path.empty()) {
+        return; // a draft's cache follows its target, whose blocks it mirrors in its own pool
+    }
+    const size_t summary_bytes = summaries ? scorer->summary_size()*sizeof(float) : 0;
+    const size_t mib = kp.disk_mib > 0 ? kp.disk_mib : (size_t) std::ceil(pool.mib(pool.capacity()));
+    disk.init(kp.disk_path, mib, pool.block_bytes() + summary_bytes);
+    LLAMA_LOG_WARN("kvmem_disk: disk tier %u blocks (%.1f MiB) under %s: idle sequences' blocks go there when the host "
+            "pool is full\n", disk.capacity(), disk.capacity()*disk.record_bytes()/1024.0/1024.0, disk.path().c_str());
+}
+
+uint8_t * llama_kvmem_cache::pool_bytes(const kvmem_block & hb) const {
+    GGML_ASSERT(!hb.on_disk && "a block on disk is brought back before its bytes are read");
+    return pool.slot_ptr(hb.slot);
+}
+
+void llama_kvmem_cache::release_storage(kvmem_block & hb) {
+    if (hb.on_disk) {
+        disk.give(hb.disk_rec);
+        hb.on_disk = false;
+    } else {
+        pool.give(hb.slot);
+    }
+}
+
+uint32_t llama_kvmem_cache::n_on_disk(const kvmem_seq & st) const {
+    uint32_t n = 0;
+    for (const auto & [b, hb] : st.blocks) {
+        n += hb.on_disk ? 1 : 0;
+    }
+    return n;
+}
+
+bool llama_kvmem_cache::spill(kvmem_block & hb, std::string & err) {
+    uint32_t rec = 0;
+    if (!disk.take(rec)) {
+        err = format("the disk tier is full (%u blocks, %.1f MiB under %s)", disk.capacity(),
+                disk.capacity()*disk.record_bytes()/1024.0/1024.0, disk.path().c_str());
+        return false;
+    }
+    // a summary in the store lives in the block's slot, which the next block takes: it goes along
+    const std::vector<float> summary = hb.summarized ? summaries->get(hb.slot) : std::vector<float>();
+    if (!disk.write(rec, { { pool_bytes(hb), pool.block_bytes() }, { summary.data(), summary.size()*sizeof(float) } }, err)) {
+        disk.give(rec);
+        err = format("writing a block to the disk tier under %s failed: %s", disk.path().c_str(), err.c_str());
+        return false;
+    }
+    pool.give(hb.slot);
+    hb.on_disk = true;
+    hb.disk_rec = rec;
+    return true;
+}
+
+bool llama_kvmem_cache::make_host_room(uint32_t need, const std::set<llama_seq_id> & keep) {
+    if (pool.n_free() >= need || !disk.enabled()) {
+        return pool.n_free() >= need;
+    }
+    copier.wait(); // no copy may still read a slot that is given away
+    // sequences that may leave: released (the application is done with them) before idle before the others, each
+    // group least recently used first
+    std::vector<std::pair<std::tuple<int, uint64_t>, llama_seq_id>> order;
+    for (const auto & [s, st] : seqs) {
+        if (!keep.count(s) && st.blocks.size() > n_on_disk(st)) {
+            const int group = st.released ? 0 : st.phase() == kvmem_phase::IDLE ? 1 : 2;
+            order.push_back({ { group, st.last_used }, s });
+        }
+    }
+    std::sort(order.begin(), order.end());
+    std::string err;
+    for (const auto & [key, s] : order) {
+        kvmem_seq & st = seqs.at(s);
+        std::vector<int32_t> blocks; // out of the working set first, then the resident ones, each oldest first
+        for (const int pass : { 0, 1 }) {
+            for (const auto & [b, hb] : st.blocks) {
+                if (!hb.on_disk && hb.resident == (pass == 1)) {
+                    blocks.push_back(b);
+                }
+            }
+        }
+        for (const int32_t b : blocks) {
+            if (pool.n_free() >= need || !spill(st.blocks.at(b), err)) {
+                break;
+            }
+            n_spilled++;
+        }
+        if (pool.n_free() >= need || !err.empty()) {
+            break;
+        }
+    }
+    if (!err.empty()) {
+        set_last_error(err);
+        LLAMA_LOG_ERROR("%s: kvmem: %s\n", __func__, err.c_str());
+    }
+    return pool.n_free() >= need;
+}
+
+void llama_kvmem_cache::settle_disk(const char * why) {
+    if (n_spilled == 0) {
+        return;
+    }
+    disk.settle();
+    LLAMA_LOG_WARN("kvmem_disk: %u blocks (%.1f MiB) of idle sequences moved to the disk tier (%s); %u of %u disk blocks "
+            "free\n", n_spilled, pool.mib(n_spilled), why, disk.n_free(), disk.capacity());
+    n_spilled = 0;
+}
+
+bool llama_kvmem_cache::bring_home(llama_seq_id seq_id, const std::set<llama_seq_id> & keep) {
+    kvmem_seq * st = find_seq(seq_id);
+    if (!st || n_on_disk(*st) == 0) {
+        return true;
+    }
+    std::set<llama_seq_id> kept = keep;
+    kept.insert(seq_id);
+    // one block at a time, in the order of the records (one pass over the file): each that comes back frees the
+    // record that a block leaving for it takes, so two sequences trade places in a full pool over a full tier
+    std::vector<std::pair<uint32_t, int32_t>> recs;
+    for (const auto & [b, hb] : st->blocks) {
+        if (hb.on_disk) {
+            recs.push_back({ hb.disk_rec, b });
+        }
+    }
+    std::sort(recs.begin(), recs.end());
+    std::vector<uint8_t> aside;
+    std::vector<float> summary;
+    std::string err;
+    const int64_t t0 = ggml_time_us();
+    for (const auto & [rec, b] : recs) {
+        kvmem_block & hb = st->blocks.at(b);
+        summary.assign(hb.summarized ? scorer->summary_size() : 0, 0.0f);
+        const bool room = pool.n_free() > 0 || make_host_room(1, kept);
+        uint32_t slot = 0;
+        if (room) {
+            GGML_ASSERT(pool.take(slot));
+            if (!disk.read(rec, { { pool.slot_ptr(slot), pool.block_bytes() }, { summary.data(), summary.size()*sizeof(float) } },
+                        err)) {
+                pool.give(slot);
+                break;
+            }
+            disk.give(rec);
+        } else if (disk.n_free() == 0) {
+            // the pool and the tier are both full: this block is read aside, and another takes its record
+            aside.resize(pool.block_bytes());
+            if (!disk.read(rec, { { aside.data(), aside.size() }, { summary.data(), summary.size()*sizeof(float) } }, err)) {
+                break;
+            }
+            disk.give(rec);
+            const bool moved = make_host_room(1, kept);
+            GGML_ASSERT(moved && "a record was just freed for the block leaving");
+            GGML_ASSERT(pool.take(slot));
+            std::memcpy(pool.slot_ptr(slot), aside.data(), aside.size());
+        } else {
+            err = "no other sequence's blocks can leave the pool";
+            break;
+        }
+        hb.on_disk = false;
+        hb.slot = slot;
+        if (hb.summarized) {
+            summaries->put(slot, summary.data());
+        }
+    }
+    if (summaries) {
+        summaries->flush();
+    }
+    settle_disk("to make room for a sequence coming back");
+    const uint32_t left = n_on_disk(*st);
+    if (left > 0) {
+        set_last_error(format("KV tiering: %u blocks of sequence %d stay on the disk tier under %s: %s; raise "
+                "--kvmem-host-mib or --kvmem-disk-mib", left, seq_id, disk.path().c_str(), err.c_str()));
+        return false;
+    }
+    const double s = (ggml_time_us() - t0)/1e6;
+    LLAMA_LOG_WARN("kvmem_disk: %zu blocks (%.1f MiB) of seq %d back from the disk tier in %.3f s (%.0f MB/s)\n",
+            recs.size(), pool.mib((uint32_t) recs.size()), seq_id, s, s > 0 ? recs.size()*disk.record_bytes()/1e6/s : 0.0);
+    return true;
+}
+
+void llama_kvmem_cache::read_spilled(const kvmem_block & hb, std::vector<uint8_t> & bytes, std::vector<float> & summary) const {
+    GGML_ASSERT(hb.on_disk);
+    bytes.resize(pool.block_bytes());
+    summary.assign(hb.summarized ? scorer->summary_size() : 0, 0.0f);
+    std::string err;
+    if (!disk.read(hb.disk_rec, { { bytes.data(), bytes.size() }, { summary.data(), summary.size()*sizeof(float) } }, err)) {
+        throw std::runtime_error(format("reading a block from the disk tier under %s failed: %s", disk.path().c_str(),
+                    err.c_str()));
+    }
+}
