@@ -38,3 +38,9 @@ def models_dir() -> Path:
 
 def servers_dir() -> Path:
     return home() / "servers"
+
+
+def kv_disk_dir() -> Path:
+    """The disk tier's directory for servers started by kvmem run ($KVMEM_KV_DISK_DIR overrides)."""
+    override = os.environ.get("KVMEM_KV_DISK_DIR")
+    return Path(override).expanduser() if override else home() / "kv-disk"

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -195,6 +196,31 @@ def test_dry_run_layers_and_detection(cpu_engine: Engine) -> None:
     assert not lp.tiering and not any(a.startswith("--kvmem") for a in command)  # a CPU plan: the whole KV fits
     help_text = argv.engine_help(cpu_engine)
     assert ("--strict-model-id" in command) == argv.supports(help_text, "--strict-model-id")
+
+
+def test_a_capped_host_pool_gets_a_disk_tier_under_the_store(cpu_engine: Engine, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    assert argv.disk_tier_args(0, tmp_path, 10 * 2**40) == ([], "")  # a pool sized for the context never fills
+    flags, note = argv.disk_tier_args(6144, tmp_path, 10 * 2**40)
+    assert flags == ["--kvmem-disk-path", str(tmp_path), "--kvmem-disk-mib", "12288"] and note == ""
+    assert argv.disk_tier_args(6144, tmp_path, 4 * 2**30)[0][-1] == "2048"  # at most half the free space
+    flags, note = argv.disk_tier_args(6144, tmp_path, 2**30)
+    assert flags == [] and "no disk tier" in note and "1.0 GiB free" in note
+    monkeypatch.setenv("KVMEM_KV_DISK_DIR", str(tmp_path / "kv"))
+    lp = launch.prepare(None, extra_args=["-c", "4096", "--kvmem-budget", "1024", "--kvmem-host-mib", "600"],
+                        port="auto", hw=cpu_hw())
+    free = shutil.disk_usage(tmp_path).free
+    expected = argv.disk_tier_args(600, tmp_path / "kv", free)
+    assert lp.tiering and (tmp_path / "kv").is_dir()
+    command = lp.argv
+    if expected[0]:
+        assert command[command.index("--kvmem-disk-path") + 1] == str(tmp_path / "kv")
+        assert command[command.index("--kvmem-disk-mib") + 1] == expected[0][-1]
+    else:
+        assert "--kvmem-disk-path" not in command and expected[1] in lp.notes
+    user = launch.prepare(None, extra_args=["-c", "4096", "--kvmem-budget", "1024", "--kvmem-host-mib", "600",
+                                            "--kvmem-disk-mib", "1100"], port="auto", hw=cpu_hw()).argv
+    assert user.count("--kvmem-disk-mib") == 1 and user[user.index("--kvmem-disk-mib") + 1] == "1100"
 
 
 # --- real servers ---

@@ -36,6 +36,7 @@ FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
     ("--presence-penalty",), ("--spec-type",), ("--strict-model-id",), ("--rpc",),
     ("--kvmem-budget",), ("--kvmem-block",), ("--kvmem-gen-reserve",), ("--kvmem-host-mib",),
     ("--kvmem-sink",), ("--kvmem-recent",), ("--kvmem-refresh",), ("--kvmem-method",),
+    ("--kvmem-disk-path",), ("--kvmem-disk-mib",),
 )
 SWITCHES = {"--strict-model-id"}  # flags of ours that take no value
 _GROUP_OF = {flag: group[0] for group in FLAG_GROUPS for flag in group}
@@ -225,6 +226,24 @@ def profile_args(profile: planner.Profile, help_text: str, tiering: bool, has_gp
     if profile.draft_mtp and "draft-mtp" in help_text:
         args += ["--spec-type", "draft-mtp"]
     return args
+
+
+# the disk tier kvmem run gives a capped host pool: this many times the pool, within this share of the free space
+DISK_TIER_POOLS = 2
+DISK_TIER_FREE_SHARE = 0.5
+DISK_TIER_MIN_MIB = 1024
+
+
+def disk_tier_args(host_mib: int, folder: Path, free_bytes: int) -> tuple[list[str], str]:
+    """The disk tier under a capped host pool (--kvmem-host-mib): idle conversations wait there instead of being
+    dropped when the pool is full. The flags, and a note when the disk has too little room for one."""
+    if host_mib <= 0:
+        return [], ""  # a pool sized for the whole context is never full
+    mib = min(DISK_TIER_POOLS * host_mib, int(free_bytes * DISK_TIER_FREE_SHARE) // 2**20)
+    if mib < DISK_TIER_MIN_MIB:
+        return [], (f"no disk tier: {folder} has {free_bytes / 2**30:.1f} GiB free; idle conversations are dropped "
+                    "when the host KV pool is full")
+    return ["--kvmem-disk-path", str(folder), "--kvmem-disk-mib", str(mib)], ""
 
 
 def sampling_args(mode: str) -> list[str]:

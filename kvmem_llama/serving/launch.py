@@ -11,6 +11,7 @@ Library use (the eval harness does this):
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from kvmem_llama import hardware, planner
+from kvmem_llama import hardware, paths, planner
 from kvmem_llama.engine import Engine, select_engine
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.models import ResolvedModel, resolve_model
@@ -111,6 +112,15 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
         ours.append("--strict-model-id")
     if rpc:
         ours += ["--rpc", rpc]
+    if tiering and argv.supports(help_text, "--kvmem-disk-path"):  # the user's --kvmem-disk-* replace these
+        disk_dir = paths.kv_disk_dir()
+        disk_dir.mkdir(parents=True, exist_ok=True)
+        user_mib = str(given.get("--kvmem-host-mib") or "")
+        host_mib = int(user_mib) if user_mib.isdigit() else profile.host_mib
+        disk, note = argv.disk_tier_args(host_mib, disk_dir, shutil.disk_usage(disk_dir).free)
+        ours += disk
+        if note:
+            notes.append(note)
     if keep_sessions:
         folder = sessions.session_dir(model_id)
         folder.mkdir(parents=True, exist_ok=True)
