@@ -317,10 +317,16 @@ def describe(stats: ServerStats, turn: TurnStats | None, mode: str | None, messa
     capacity = stats.metrics.get("kvmem_host_capacity_bytes")
     lines.append(f"host pool: {host:,} blocks = {host * block:,} tokens, {_mib(host_bytes)}"
                  + (f" of {_mib(capacity)}" if capacity else ""))
-    busy = [s for s in stats.slots if (s.get("kvmem") or {}).get("blocks_host")]
+    disk = int(stats.metrics.get("kvmem_blocks_disk", stats.blocks("blocks_disk")))
+    if disk or stats.tiering.get("disk_path"):
+        disk_bytes = stats.metrics.get("kvmem_disk_bytes", stats.blocks("disk_bytes"))
+        lines.append(f"disk tier: {disk:,} blocks = {disk * block:,} tokens, {_mib(disk_bytes)} under "
+                     f"{stats.tiering.get('disk_path') or '?'} (idle conversations' blocks, back when they continue)")
+    busy = [s for s in stats.slots if any((s.get("kvmem") or {}).get(k) for k in ("blocks_host", "blocks_disk"))]
     if len(busy) > 1:
         lines += [f"  slot {s.get('id')}: {s['kvmem'].get('blocks_gpu', 0)} in the working set, "
-                  f"{s['kvmem'].get('blocks_host', 0)} in the host pool" for s in busy]
+                  f"{s['kvmem'].get('blocks_host', 0)} in the host pool"
+                  + (f", {s['kvmem']['blocks_disk']} on disk" if s["kvmem"].get("blocks_disk") else "") for s in busy]
     selections = sum(int((s.get("kvmem") or {}).get("selections", 0)) for s in stats.slots)
     sel = stats.last_select
     if sel is not None:  # the server's log line (a server on this machine)

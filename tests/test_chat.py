@@ -256,3 +256,20 @@ def test_chat_attaches_to_a_named_server(cpu_engine, env: dict[str, str], tmp_pa
         assert "no web UI at http://127.0.0.1:" in noui.stdout
     finally:
         kvmem(env, "stop", "noui")
+
+
+def test_stats_say_what_waits_on_the_disk_tier() -> None:
+    from kvmem_llama.chat import ServerStats, describe
+
+    stats = ServerStats("m", "http://127.0.0.1:1", tiering={"enabled": True, "block": 64, "budget": 512,
+                                                            "method": "hybrid", "disk_path": "/kv"},
+                        slots=[{"id": 0, "kvmem": {"blocks_gpu": 8, "blocks_host": 2, "blocks_disk": 35,
+                                                   "disk_bytes": 35 * 2**20}},
+                               {"id": 1, "kvmem": {"blocks_gpu": 8, "blocks_host": 43}}])
+    lines = describe(stats, None, None, 2)
+    assert "disk tier: 35 blocks = 2,240 tokens, 35.0 MiB under /kv" in "\n".join(lines)
+    assert "  slot 0: 8 in the working set, 2 in the host pool, 35 on disk" in lines
+    assert "  slot 1: 8 in the working set, 43 in the host pool" in lines
+    plain = ServerStats("m", "http://127.0.0.1:1", tiering={"enabled": True, "block": 64, "budget": 512},
+                        slots=[{"id": 0, "kvmem": {"blocks_gpu": 8, "blocks_host": 2}}])
+    assert not any(line.startswith("disk tier") for line in describe(plain, None, None, 1))
