@@ -11,6 +11,7 @@
 set -uo pipefail
 CELLS=${CELLS:-"261400:tiering-on 32768:tiering-on 4096:tiering-on 4096:tiering-off 261400:tiering-off \
 261400:tiering-on-q5 32768:tiering-off 131072:tiering-on 131072:tiering-off 4096:tiering-on-recency 261400:tiering-on-q5-same"}
+. "$(dirname "$0")/job.sh"
 case "${1:-}" in
 stage)
   cd "$(dirname "$0")/../.."
@@ -23,9 +24,7 @@ stage)
   cp "$(ls ~/.cache/kvmem/upstream/*/models/ggml-vocab-qwen35.gguf | head -1)" .kvmem/
   du -sh .whl .kvmem ;;
 start)
-  rm -rf /tmp/repo /tmp/out && mkdir -p /tmp/out && cp -r . /tmp/repo
-  cd /tmp/repo && setsid nohup bash packaging/device/issue24.sh run >/tmp/out/run.log 2>&1 </dev/null &
-  sleep 20; tail -n 20 /tmp/out/run.log ;;
+  job_start packaging/device/issue24.sh ;;
 run)
   export OUT=/tmp/out
   . packaging/device/setup-env.sh
@@ -54,11 +53,7 @@ run)
   REPEATS=${REPEATS:-3} bash packaging/device/bench-cells.sh $CELLS
   echo "ALL DONE" ;;
 wait)
-  landed() { cat /tmp/out/host.txt /tmp/out/bench-notes.txt /tmp/out/cuda-suites.txt /tmp/out/stager-bench.txt 2>/dev/null | wc -l; }
-  before=$(landed); deadline=$(( $(date +%s) + ${2:-540} ))
-  while [ "$(date +%s)" -lt "$deadline" ] && [ "$(landed)" = "$before" ] && pgrep -f "issue24.sh run" >/dev/null; do
-    sleep 5
-  done
+  job_wait "$0" "${2:-540}" host.txt bench-notes.txt cuda-suites.txt stager-bench.txt
   exec bash "$0" poll ;;
 poll)
   cp -r /tmp/out/. "$OUT"/ 2>/dev/null

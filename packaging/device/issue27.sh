@@ -10,11 +10,10 @@
 # CELLS overrides the cells (TOKENS:POOL, POOL f16 or q5_0); REPEATS (3) restores per cell after one restart.
 set -uo pipefail
 CELLS=${CELLS:-"261400:f16 261400:q5_0 131072:f16"}
+. "$(dirname "$0")/job.sh"
 case "${1:-}" in
 start)
-  rm -rf /tmp/repo /tmp/out && mkdir -p /tmp/out && cp -r . /tmp/repo
-  cd /tmp/repo && setsid nohup bash packaging/device/issue27.sh run >/tmp/out/run.log 2>&1 </dev/null &
-  sleep 20; tail -n 20 /tmp/out/run.log ;;
+  job_start packaging/device/issue27.sh ;;
 run)
   export OUT=/tmp/out
   . packaging/device/setup-env.sh
@@ -42,11 +41,7 @@ run)
   done
   echo "ALL DONE" ;;
 wait)
-  landed() { cat /tmp/out/host.txt /tmp/out/notes.txt 2>/dev/null | wc -l; }
-  before=$(landed); deadline=$(( $(date +%s) + ${2:-540} ))
-  while [ "$(date +%s)" -lt "$deadline" ] && [ "$(landed)" = "$before" ] && pgrep -f "issue27.sh run" >/dev/null; do
-    sleep 5
-  done
+  job_wait "$0" "${2:-540}" host.txt notes.txt
   exec bash "$0" poll ;;
 poll)
   cp -r /tmp/out/. "$OUT"/ 2>/dev/null
