@@ -47,12 +47,19 @@ void kvmem_disk_tier::init(const std::string & dir, size_t mib, size_t record_by
     std::string tmpl = dir + "/kvmem-disk-XXXXXX";
     std::vector<char> name(tmpl.begin(), tmpl.end());
     name.push_back('\0');
-    fd = mkstemp(name.data());
+    fd = mkostemp(name.data(), O_CLOEXEC);
     if (fd < 0) {
         throw std::runtime_error(format("--kvmem-disk-path %s: cannot create a file there: %s", dir.c_str(),
                     std::strerror(errno)));
     }
     unlink(name.data()); // the space is ours until the process ends, and nothing is left behind after a crash
+    const int taken = posix_fallocate(fd, 0, (off_t) n_recs*rec_bytes);
+    if (taken != 0 && taken != EOPNOTSUPP && taken != EINVAL) {
+        close(fd);
+        fd = -1;
+        throw std::runtime_error(format("--kvmem-disk-path %s: cannot take %zu MiB there: %s", dir.c_str(), mib,
+                    std::strerror(taken)));
+    }
     dir_path = dir;
     in_use.assign(n_recs, 0);
     for (uint32_t r = 0; r < n_recs; ++r) {
@@ -135,16 +142,20 @@ bool kvmem_disk_tier::read(uint32_t rec, const std::vector<part_in> & parts, std
     return true;
 }
 
-void kvmem_disk_tier::settle() {
+bool kvmem_disk_tier::settle(std::string & err) {
     if (unsettled.empty()) {
-        return;
+        return true;
     }
     // written back first: the page cache drops only clean pages
-    fdatasync(fd);
+    const bool ok = fdatasync(fd) == 0;
+    if (!ok) {
+        err = std::strerror(errno);
+    }
     for (const uint32_t rec : unsettled) {
         drop_pages(rec);
     }
     unsettled.clear();
+    return ok;
 }
 
 void kvmem_disk_tier::drop_pages(uint32_t rec) const {

@@ -23,8 +23,9 @@ public:
     kvmem_disk_tier & operator=(const kvmem_disk_tier &) = delete;
     ~kvmem_disk_tier();
 
-    // records of record_bytes (rounded up to the page) in at most mib MiB under dir; throws with the reason when dir
-    // is not a writable directory, holds less free space than mib, or mib holds no record
+    // records of record_bytes (rounded up to the page) in at most mib MiB under dir, the space taken at once where
+    // the file system can (so that no write runs out of it later); throws with the reason when dir is not a writable
+    // directory, holds less free space than mib, or mib holds no record
     void init(const std::string & dir, size_t mib, size_t record_bytes);
     bool enabled() const { return fd >= 0; }
 
@@ -36,8 +37,9 @@ public:
     using part_in  = std::pair<void *, size_t>;
     bool write(uint32_t rec, const std::vector<part_out> & parts, std::string & err);
     bool read(uint32_t rec, const std::vector<part_in> & parts, std::string & err) const;
-    // the records written since the last call: on the disk, out of the page cache
-    void settle();
+    // the records written since the last call: on the disk, out of the page cache; false with the reason in err
+    // when the disk did not take them
+    bool settle(std::string & err);
 
     uint32_t capacity() const { return n_recs; }
     uint32_t n_free() const { return (uint32_t) free_recs.size(); }

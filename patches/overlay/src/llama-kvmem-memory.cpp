@@ -32,7 +32,7 @@ bool llama_kvmem_split(llama_kvmem_cache * km, llama_batch_allocr & balloc, uint
         }
         out.push_back(std::move(ubatch)); // NOLINT
     }
-    return balloc.get_n_used() == balloc.get_n_tokens() && km->host_room_for(out.data(), out.size());
+    return balloc.get_n_used() == balloc.get_n_tokens() && km->host_room_for(out.data(), out.size(), true);
 }
 
 llama_memory_context_ptr llama_kvmem_cache::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {

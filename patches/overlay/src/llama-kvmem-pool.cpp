@@ -327,7 +327,7 @@ void llama_kvmem_cache::init_pool(uint32_t n_ctx_total) {
             ggml_backend_buft_name(buft), copier.path().c_str());
 }
 
-bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ubatches) {
+bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ubatches, bool whole_batch) {
     // every block the batch completes is written through to the host pool, and its sequences' blocks on the disk
     // tier come back; when that would not fit (after moving other sequences' blocks to disk), the batch is refused
     // before any work (decode returns 1, as for a full KV cache, so the server frees idle slots of a shared pool
@@ -340,11 +340,11 @@ bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ub
             pmax[ub.seq_id[i][0]] = it == pmax.end() ? ub.pos[i] : std::max(it->second, ub.pos[i]);
         }
     }
-    std::set<llama_seq_id> batch_seqs;
+    std::set<llama_seq_id> keep;
     uint32_t need = 0, back = 0;
     use_clock++;
     for (const auto & [s, p] : pmax) {
-        batch_seqs.insert(s);
+        keep.insert(s);
         kvmem_seq * st = find_seq(s);
         const int32_t next = st ? st->next_host : 0;
         const int32_t done = (p + 1)/(int32_t) kp.block;
@@ -354,28 +354,42 @@ bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ub
             back += n_on_disk(*st);
         }
     }
+    if (whole_batch) {
+        batch_seqs = keep;
+    } else {
+        keep.insert(batch_seqs.begin(), batch_seqs.end());
+    }
     // the batch's sequences come back first (trading places with others), then room for the blocks it completes
-    for (const llama_seq_id s : batch_seqs) {
-        if (!bring_home(s, batch_seqs)) {
-            LLAMA_LOG_ERROR("%s: %s\n", __func__, get_last_error().c_str());
-            return false;
+    // (when the others' blocks can make it: none leaves in vain)
+    bool home = true;
+    for (const auto & [s, p] : pmax) {
+        if (!bring_home(s, keep)) {
+            home = false;
+            break;
         }
     }
-    const bool room = make_host_room(need, batch_seqs);
+    const bool room = home && (pool.n_free() >= need || (pool.n_free() + n_spillable(keep) >= need && make_host_room(need, keep)));
     const bool moved = back > 0 || n_spilled > 0;
     settle_disk("the host pool is full");
-    if (moved) {
+    if (moved || !room) {
         publish();
     }
     if (room) {
         return true;
     }
-    const std::string disk_note = disk.enabled() ? format("; the disk tier has %u of %u blocks free", disk.n_free(),
-            disk.capacity()) : "";
+    if (!home) {
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, get_last_error().c_str());
+        return false;
+    }
+    const std::string disk_note = !disk.enabled() ? "" : !spill_error.empty() ? "; " + spill_error :
+            format("; the disk tier has %u of %u blocks free", disk.n_free(), disk.capacity());
     set_last_error(format("KV tiering host pool is full (%u blocks of %u tokens, %.1f MiB, %u free%s): this request "
             "needs %u more; raise --kvmem-host-mib%s (or lower the context)", pool.capacity(), kp.block,
             pool.mib(pool.capacity()), pool.n_free(), disk_note.c_str(), need,
             disk.enabled() ? " or --kvmem-disk-mib" : " or add a disk tier (--kvmem-disk-path)"));
+    if (disk.enabled()) {
+        LLAMA_LOG_WARN("kvmem_disk: %s\n", get_last_error().c_str()); // the server may free a slot and go on
+    }
     return false;
 }
 

@@ -297,6 +297,10 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     kvmem_seq * found = find_seq(seq_id);
     GGML_ASSERT(found && "a selection is for a sequence that decoded a batch");
     kvmem_seq & st = *found;
+    if (!bring_home(seq_id, { seq_id })) { // its batch keeps it in the pool; this is the guard
+        LLAMA_LOG_WARN("%s: kvmem: no selection for seq %d: %s\n", __func__, seq_id, get_last_error().c_str());
+        return false;
+    }
     const llama_pos pos = kvmem_cells().seq_pos_max(seq_id) + 1;
     // a turn first gathers its question's query rows (device or host copies): part of the selection's time, said apart
     const int64_t t_start = ggml_time_us();

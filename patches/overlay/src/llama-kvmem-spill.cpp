@@ -66,7 +66,16 @@ bool llama_kvmem_cache::spill(kvmem_block & hb, std::string & err) {
     return true;
 }
 
+uint32_t llama_kvmem_cache::n_spillable(const std::set<llama_seq_id> & keep) const {
+    uint32_t n = 0;
+    for (const auto & [s, st] : seqs) {
+        n += keep.count(s) ? 0 : (uint32_t) st.blocks.size() - n_on_disk(st);
+    }
+    return disk.enabled() ? n : 0;
+}
+
 bool llama_kvmem_cache::make_host_room(uint32_t need, const std::set<llama_seq_id> & keep) {
+    spill_error.clear();
     if (pool.n_free() >= need || !disk.enabled()) {
         return pool.n_free() >= need;
     }
@@ -81,7 +90,6 @@ bool llama_kvmem_cache::make_host_room(uint32_t need, const std::set<llama_seq_i
         }
     }
     std::sort(order.begin(), order.end());
-    std::string err;
     for (const auto & [key, s] : order) {
         kvmem_seq & st = seqs.at(s);
         std::vector<int32_t> blocks; // out of the working set first, then the resident ones, each oldest first
@@ -93,18 +101,17 @@ bool llama_kvmem_cache::make_host_room(uint32_t need, const std::set<llama_seq_i
             }
         }
         for (const int32_t b : blocks) {
-            if (pool.n_free() >= need || !spill(st.blocks.at(b), err)) {
+            if (pool.n_free() >= need || !spill(st.blocks.at(b), spill_error)) {
                 break;
             }
             n_spilled++;
         }
-        if (pool.n_free() >= need || !err.empty()) {
+        if (pool.n_free() >= need || !spill_error.empty()) {
             break;
         }
     }
-    if (!err.empty()) {
-        set_last_error(err);
-        LLAMA_LOG_ERROR("%s: kvmem: %s\n", __func__, err.c_str());
+    if (pool.n_free() < need && spill_error.empty()) {
+        spill_error = "no other sequence's blocks can leave the host pool";
     }
     return pool.n_free() >= need;
 }
@@ -113,7 +120,12 @@ void llama_kvmem_cache::settle_disk(const char * why) {
     if (n_spilled == 0) {
         return;
     }
-    disk.settle();
+    std::string err;
+    if (!disk.settle(err)) {
+        // the blocks may not be on the disk as written: say so (a later read of them fails or is refused)
+        set_last_error(format("KV tiering: flushing the disk tier under %s failed: %s", disk.path().c_str(), err.c_str()));
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, get_last_error().c_str());
+    }
     LLAMA_LOG_WARN("kvmem_disk: %u blocks (%.1f MiB) of idle sequences moved to the disk tier (%s); %u of %u disk blocks "
             "free\n", n_spilled, pool.mib(n_spilled), why, disk.n_free(), disk.capacity());
     n_spilled = 0;
@@ -142,12 +154,15 @@ bool llama_kvmem_cache::bring_home(llama_seq_id seq_id, const std::set<llama_seq
     for (const auto & [rec, b] : recs) {
         kvmem_block & hb = st->blocks.at(b);
         summary.assign(hb.summarized ? scorer->summary_size() : 0, 0.0f);
-        const bool room = pool.n_free() > 0 || make_host_room(1, kept);
+        const std::vector<kvmem_disk_tier::part_in> parts_summary = { { summary.data(), summary.size()*sizeof(float) } };
+        if (pool.n_free() == 0 && n_spillable(kept) == 0) {
+            err = "no other sequence's blocks can leave the host pool for them";
+            break;
+        }
         uint32_t slot = 0;
-        if (room) {
+        if (pool.n_free() > 0 || (disk.n_free() > 0 && make_host_room(1, kept))) {
             GGML_ASSERT(pool.take(slot));
-            if (!disk.read(rec, { { pool.slot_ptr(slot), pool.block_bytes() }, { summary.data(), summary.size()*sizeof(float) } },
-                        err)) {
+            if (!disk.read(rec, { { pool.slot_ptr(slot), pool.block_bytes() }, parts_summary[0] }, err)) {
                 pool.give(slot);
                 break;
             }
@@ -155,16 +170,27 @@ bool llama_kvmem_cache::bring_home(llama_seq_id seq_id, const std::set<llama_seq
         } else if (disk.n_free() == 0) {
             // the pool and the tier are both full: this block is read aside, and another takes its record
             aside.resize(pool.block_bytes());
-            if (!disk.read(rec, { { aside.data(), aside.size() }, { summary.data(), summary.size()*sizeof(float) } }, err)) {
+            if (!disk.read(rec, { { aside.data(), aside.size() }, parts_summary[0] }, err)) {
                 break;
             }
             disk.give(rec);
-            const bool moved = make_host_room(1, kept);
-            GGML_ASSERT(moved && "a record was just freed for the block leaving");
+            if (!make_host_room(1, kept)) {
+                // the block goes back where it was (its record is the one just freed)
+                uint32_t again = 0;
+                std::string werr;
+                GGML_ASSERT(disk.take(again));
+                if (!disk.write(again, { { aside.data(), aside.size() }, { summary.data(), summary.size()*sizeof(float) } }, werr)) {
+                    GGML_ABORT("kvmem: a block of seq %d could be neither kept in the pool nor written back to disk: %s",
+                            seq_id, werr.c_str());
+                }
+                hb.disk_rec = again;
+                err = spill_error;
+                break;
+            }
             GGML_ASSERT(pool.take(slot));
             std::memcpy(pool.slot_ptr(slot), aside.data(), aside.size());
         } else {
-            err = "no other sequence's blocks can leave the pool";
+            err = spill_error;
             break;
         }
         hb.on_disk = false;

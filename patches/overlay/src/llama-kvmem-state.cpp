@@ -280,7 +280,10 @@ void llama_kvmem_cache::read_seq(llama_io_read_i & io, llama_seq_id seq_id) {
     kvmem_seq & st = open_seq(seq_id);
     st.next_host = kvmem_take<int32_t>(io);
     const uint32_t n_blocks = kvmem_take<uint32_t>(io);
-    if (n_blocks > pool.n_free() && !make_host_room(n_blocks, { seq_id })) {
+    const bool room = n_blocks <= pool.n_free() || (n_blocks <= pool.n_free() + n_spillable({ seq_id }) &&
+            make_host_room(n_blocks, { seq_id }));
+    settle_disk("to restore a saved state");
+    if (!room) {
         throw std::runtime_error(format("the state holds %u blocks of history; the host pool has room for %u (raise "
                 "--kvmem-host-mib)", n_blocks, pool.n_free()));
     }

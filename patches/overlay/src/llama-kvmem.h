@@ -167,8 +167,10 @@ public:
     const llama_kvmem_params & params() const { return kp; }
 
     // false (and the error set) when the blocks these ubatches complete do not fit in the host pool; with a disk
-    // tier, other sequences' blocks go to disk to make room, and the ubatches' sequences' blocks on disk come back
-    bool host_room_for(const llama_ubatch * ubatches, size_t n_ubatches);
+    // tier, other sequences' blocks go to disk to make room, and the ubatches' sequences' blocks on disk come back.
+    // whole_batch: these are a whole batch's ubatches (init_batch), whose sequences none of its ubatches sends to
+    // disk (they are selected after the batch)
+    bool host_room_for(const llama_ubatch * ubatches, size_t n_ubatches, bool whole_batch = false);
 
     // sequences the working set holds at once, each at its floor share plus an open block or its reserve
     uint32_t max_active() const;
@@ -319,7 +321,11 @@ private:
     // `need` free pool slots: blocks of sequences outside `keep` go to disk (released, then idle, then the others,
     // least recently used first; within one, blocks out of the working set first); false when they do not suffice
     bool make_host_room(uint32_t need, const std::set<llama_seq_id> & keep);
+    // blocks in the pool of sequences outside keep (what make_host_room can move)
+    uint32_t n_spillable(const std::set<llama_seq_id> & keep) const;
     bool spill(kvmem_block & hb, std::string & err);
+    std::string spill_error;                 // why the last make_host_room stopped short ("" if it did not)
+    std::set<llama_seq_id> batch_seqs;       // the sequences of the batch being decoded (host_room_for)
     uint32_t n_spilled = 0; // blocks moved to disk since the last settle_disk
     // the blocks moved to disk on the disk, out of the page cache, and said in the log
     void settle_disk(const char * why);

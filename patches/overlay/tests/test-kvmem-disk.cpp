@@ -61,7 +61,7 @@ KV_SUITE(disk) {
         std::string err;
         KV_CHECK(disk.write(b, { { block.data(), block.size() }, { summary.data(), summary.size()*sizeof(float) } }, err));
         KV_CHECK(disk.write(a, { { summary.data(), 40 } }, err));
-        disk.settle();
+        KV_CHECK(disk.settle(err));
 
         std::vector<uint8_t> block_back(block.size());
         std::vector<float> summary_back(summary.size());
