@@ -233,7 +233,9 @@ def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ct
             console.print(f"[green]self-test:[/] {handle.self_test}", soft_wrap=True)
         print_web_ui(handle.url)
         kept = sessions.kept_dir(lp.argv)
-        if kept is not None:
+        if kept is not None and "--kvmem-lazy-restore" in lp.argv:
+            _print_slots("kept", sessions.waiting_slots(handle.url, handle.headers))
+        elif kept is not None:
             _print_slots("restored", sessions.restore_slots(handle.url, handle.headers, kept))
         if detach:
             console.print(f"detached as [bold]{handle.name}[/] (pid {handle.pid}): "

@@ -57,19 +57,25 @@ def _conversation(url: str) -> tuple[list[list[int]], list[dict], list[int]]:
     return answers, states, read
 
 
-@pytest.mark.parametrize("score_on", ["host", "device"])
+# the disk tier: as large as the pool, or (host scorer: 1.41 MiB records) exactly the 35 blocks slot 0 leaves there,
+# so that the two slots then trade places through a full pool over a full tier
+@pytest.mark.parametrize(("score_on", "disk_mib"), [("host", None), ("device", None), ("host", "50")])
 def test_an_idle_slot_goes_to_disk_and_comes_back_with_the_same_answers(llama_server, smollm2, tmp_path: Path,
-                                                                         score_on: str) -> None:
+                                                                         score_on: str, disk_mib: str | None) -> None:
     flags = [*TIERING, "--kvmem-score-on", score_on, "--metrics"]
     with llama_server(smollm2, flags) as roomy:
         expected, _, _ = _conversation(roomy.url)
     disk_dir = tmp_path / "disk"
     disk_dir.mkdir()
-    with llama_server(smollm2, [*flags, *SMALL_POOL, "--kvmem-disk-path", str(disk_dir)]) as srv:
+    sized = ["--kvmem-disk-mib", disk_mib] if disk_mib else []
+    with llama_server(smollm2, [*flags, *SMALL_POOL, "--kvmem-disk-path", str(disk_dir), *sized]) as srv:
         answers, states, read = _conversation(srv.url)
         log = srv.log()
         metrics = kvmem_metrics(srv.url)
-    assert re.search(r"disk tier \d+ blocks \([\d.]+ MiB\) under " + re.escape(str(disk_dir)), log), log[-3000:]
+    tier = re.search(r"disk tier (\d+) blocks \([\d.]+ MiB\) under " + re.escape(str(disk_dir)), log)
+    assert tier, log[-3000:]
+    if disk_mib:
+        assert int(tier.group(1)) == states[1][0]["blocks_disk"] == 35  # the tier was full when slot 0 came back
     assert "moved to the disk tier" in log and "back from the disk tier" in log, log[-3000:]
     assert "purging slot" not in log
     assert states[1][0]["blocks_disk"] > 0 and states[1][1]["blocks_disk"] == 0  # slot 0 waited on disk

@@ -201,7 +201,8 @@ def test_kvmem_run_keep_sessions_saves_on_stop_and_resumes_on_start(smollm2, tmp
     again = _kvmem(start, env)
     url = _ready_url(again)
     try:
-        assert f"slot 0: restored {n_saved:,} tokens" in again.stdout, again.stdout
+        # the session waits on disk until a request continues it (--kvmem-lazy-restore)
+        assert f"slot 0: {n_saved:,} tokens kept" in again.stdout, again.stdout
         ps = json.loads(_kvmem(["ps", "--json"], env).stdout)
         assert [(row["name"], row["kept_sessions_bytes"]) for row in ps] == [("keep", listed[0]["bytes"])]
         follow_up = history + turn["tokens"] + _tokens(url, " Question: what is the secret code word?")
@@ -279,16 +280,18 @@ def test_a_hybrid_model_slot_resumes_with_its_recurrent_state(llama_server, qwen
 
 
 def test_a_slot_whose_restore_was_refused_does_not_overwrite_its_kept_session(smollm2, tmp_path: Path) -> None:
-    """A server that cannot take a kept file (here: another block size) leaves its slot empty; stopping it saves
-    nothing over the session, which the right server can still restore."""
+    """A server that cannot take a kept file (here: another block size; kvmem run restores on the first request
+    that continues it) leaves its slot empty; stopping it saves nothing over the session, which the right server
+    can still restore."""
     env = {**os.environ, "KVMEM_SERVERS_DIR": str(tmp_path / "servers"),
            "KVMEM_SESSIONS_DIR": str(tmp_path / "sessions")}
     start = ["run", "--detach", "--keep-sessions", "--name", "keep", "--port", "auto", "--", *SERVER_TIERING]
     url = _ready_url(_kvmem(start, env))
     try:
-        complete(url, essay(80), n_predict=4, cache_prompt=True)
+        first = complete(url, essay(80), n_predict=4, cache_prompt=True)
     finally:
         assert _kvmem(["stop", "keep"], env).returncode == 0
+    follow_up = essay(80) + first["content"] + " And then?"
     kept = tmp_path / "sessions" / "smollm2" / "slot-0.bin"
     before = kept.read_bytes()
     other = [*start]
@@ -297,14 +300,51 @@ def test_a_slot_whose_restore_was_refused_does_not_overwrite_its_kept_session(sm
     refused = _kvmem(other, env)
     url = _ready_url(refused)
     try:
-        assert "slot 0: not restored" in refused.stdout, refused.stdout
+        assert re.search(r"slot 0: [\d,]+ tokens kept", refused.stdout), refused.stdout
+        resp = httpx.post(f"{url}/slots/0", params={"action": "restore"}, json={"filename": "slot-0.bin"}, timeout=600)
+        assert resp.status_code != 200  # another block size
     finally:
         stop = _kvmem(["stop", "keep"], env)
     assert stop.returncode == 0 and "saved" not in stop.stdout, stop.stdout
     assert kept.read_bytes() == before
     assert sorted(p.name for p in kept.parent.iterdir()) == ["slot-0.bin"]
     restored = _kvmem(start, env)
+    url = _ready_url(restored)
     try:
-        assert re.search(r"slot 0: restored [\d,]+ tokens", restored.stdout), restored.stdout
+        assert re.search(r"slot 0: [\d,]+ tokens kept", restored.stdout), restored.stdout
+        assert complete(url, follow_up, n_predict=4, cache_prompt=True)["timings"]["prompt_n"] < 40  # came back
     finally:
         _kvmem(["stop", "keep"], env)
+
+
+def test_a_kept_session_comes_back_with_the_first_request_that_continues_it(llama_server, smollm2,
+                                                                           tmp_path: Path) -> None:
+    """--kvmem-lazy-restore: nothing is read at start; an unrelated request takes the other slot; the request that
+    continues the session takes its slot, which is restored first (only the new tokens are read, the answer is the
+    never-stopped server's); a request that does not continue it leaves the file as it was."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    two = ["-np", "2", "--kv-unified", *SERVER_TIERING[4:], "-c", "8192", "--slot-save-path", str(slots)]
+    with llama_server(smollm2, two) as first:
+        history = _tokens(first.url, essay(150) + " The secret code word is PAPAYA-71. " + essay(30))
+        turn = complete(first.url, history, n_predict=8, cache_prompt=True, id_slot=0)
+        assert httpx.post(f"{first.url}/slots/0", params={"action": "save"}, json={"filename": "slot-0.bin"},
+                          timeout=600).status_code == 200
+        follow_up = history + turn["tokens"] + _tokens(first.url, " Question: what is the secret code word?")
+        expected = complete(first.url, follow_up, n_predict=12, cache_prompt=True, id_slot=0)["tokens"]
+    kept = (slots / "slot-0.bin").read_bytes()
+    with llama_server(smollm2, [*two, "--kvmem-lazy-restore"]) as srv:
+        waiting = {s["id"]: s.get("kept_session") for s in httpx.get(f"{srv.url}/slots", timeout=30).json()}
+        assert waiting[0]["n_tokens"] >= len(history) and waiting[1] is None, waiting
+        assert "waits in" in srv.log() and "restored the kept session" not in srv.log()
+        complete(srv.url, "The capital of France is", n_predict=4, cache_prompt=True)  # any slot but the kept one
+        assert "restored the kept session" not in srv.log()
+        answer = complete(srv.url, follow_up, n_predict=12, cache_prompt=True)
+        log = srv.log()
+    assert "restored the kept session" in log
+    assert answer["timings"]["prompt_n"] < 40  # the history came from the file
+    assert answer["tokens"] == expected
+    with llama_server(smollm2, [*SERVER_TIERING, "--slot-save-path", str(slots), "--kvmem-lazy-restore"]) as one:
+        complete(one.url, "The capital of France is", n_predict=4, cache_prompt=True)
+        assert "stays on disk: this request continues" in one.log()
+    assert (slots / "slot-0.bin").read_bytes() == kept

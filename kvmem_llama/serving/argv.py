@@ -38,7 +38,7 @@ FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
     ("--kvmem-sink",), ("--kvmem-recent",), ("--kvmem-refresh",), ("--kvmem-method",),
     ("--kvmem-disk-path",), ("--kvmem-disk-mib",),
 )
-SWITCHES = {"--strict-model-id"}  # flags of ours that take no value
+SWITCHES = {"--strict-model-id", "--kvmem-lazy-restore"}  # flags of ours that take no value
 _GROUP_OF = {flag: group[0] for group in FLAG_GROUPS for flag in group}
 _GROUP_KEYS = {group[0] for group in FLAG_GROUPS}
 

@@ -2,7 +2,9 @@
 
 Every slot's context, the tiered history in the host pool included, is saved under the store when the server
 stops and put back when a server for the same model starts again, through llama-server's slot save/restore
-(`--slot-save-path`). The next request then reads only its new tokens. The engine refuses a file that no longer
+(`--slot-save-path`): with an engine that has `--kvmem-lazy-restore`, when the first request that continues it
+arrives (the server then starts at once, and a session nobody continues is never read); else at start. The next
+request then reads only its new tokens. The engine refuses a file that no longer
 fits (another model, block size or KV type) with the reason, and the file stays where it is: `kvmem sessions`
 lists and removes them.
 """
@@ -64,11 +66,15 @@ class SlotResult:
     size: int = 0
     ms: float = 0.0
     error: str | None = None
+    waiting: bool = False  # kept on disk until a request continues it (--kvmem-lazy-restore)
 
     def describe(self, verb: str) -> str:
         if self.error:
             return f"slot {self.slot}: not {verb}: {self.error}"
         mib = self.size / 2**20
+        if self.waiting:
+            return (f"slot {self.slot}: {self.tokens:,} tokens kept ({mib:,.1f} MiB), put back when a request "
+                    "continues them")
         return f"slot {self.slot}: {verb} {self.tokens:,} tokens ({mib:,.1f} MiB) in {self.ms / 1000:.1f} s"
 
 
@@ -93,13 +99,17 @@ def _error(resp: httpx.Response) -> str:
 def save_slots(url: str, headers: dict[str, str], folder: Path) -> list[SlotResult]:
     """Save every slot that holds a context into `folder` (the server's --slot-save-path). Each is written beside
     its kept file and replaces it only when it holds tokens: an empty slot (nothing asked yet, or a restore that
-    was refused) never overwrites a session. A save waits for the slot's running request to finish."""
+    was refused) never overwrites a session, nor does a slot whose kept session still waits for a request that
+    continues it (--kvmem-lazy-restore: its file is that session). A save waits for the slot's running request."""
     results = []
     try:
         n_slots = _n_slots(url, headers)
+        waiting = {r.slot for r in waiting_slots(url, headers)}
     except (httpx.HTTPError, ValueError) as exc:
         return [SlotResult(0, error=f"the server does not answer: {exc}")]
     for slot in range(n_slots):
+        if slot in waiting:
+            continue
         fresh = folder / f"{SLOT_PREFIX}{slot}.new{SLOT_SUFFIX}"
         try:
             resp = _slot_action(url, headers, slot, "save", fresh.name)
@@ -137,6 +147,20 @@ def restore_slots(url: str, headers: dict[str, str], folder: Path) -> list[SlotR
         body = resp.json()
         results.append(SlotResult(session.slot, int(body.get("n_restored", 0)), int(body.get("n_read", 0)),
                                   float(body.get("timings", {}).get("restore_ms", 0.0))))
+    return results
+
+
+def waiting_slots(url: str, headers: dict[str, str]) -> list[SlotResult]:
+    """The kept sessions a server started with --kvmem-lazy-restore holds back until a request continues them."""
+    resp = httpx.get(f"{url}/slots", headers=headers, timeout=30)
+    resp.raise_for_status()
+    results = []
+    for slot in resp.json():
+        kept = slot.get("kept_session")
+        if kept:
+            path = Path(kept.get("file", ""))
+            size = path.stat().st_size if path.is_file() else 0
+            results.append(SlotResult(int(slot["id"]), int(kept.get("n_tokens", 0)), size, waiting=True))
     return results
 
 
