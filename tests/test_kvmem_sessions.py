@@ -198,6 +198,14 @@ def test_kvmem_run_keep_sessions_saves_on_stop_and_resumes_on_start(smollm2, tmp
     listed = json.loads(_kvmem(["sessions", "list", "--json"], env).stdout)
     assert [(row["model"], row["slot"]) for row in listed] == [("smollm2", 0)] and listed[0]["bytes"] > 0
 
+    kept = tmp_path / "sessions" / "smollm2" / "slot-0.bin"
+    before = kept.read_bytes()
+    # the self-test's request used slot 0 while its session waited: a stop saves nothing over the session
+    _ready_url(_kvmem(start, env))
+    stopped = _kvmem(["stop", "keep"], env)
+    assert stopped.returncode == 0 and "saved" not in stopped.stdout, stopped.stdout
+    assert kept.read_bytes() == before
+
     again = _kvmem(start, env)
     url = _ready_url(again)
     try:
@@ -277,6 +285,15 @@ def test_a_hybrid_model_slot_resumes_with_its_recurrent_state(llama_server, qwen
         again = complete(second.url, follow_up, n_predict=12, cache_prompt=True)
     assert again["tokens"] == expected
     assert again["timings"]["prompt_n"] < 64
+    # the same shape with other weights (a fine-tune): the file's KV is not its KV
+    from kvmem_llama import synth
+
+    other = synth.synthesize(tmp_path / "q35-other.gguf", "qwen35", "tiny", quant="q4_k", seed=2).path
+    with llama_server(other, args) as third:
+        refused = _slot(third.url, "restore", "q.bin")
+        said = third.log()
+    assert refused.status_code != 200
+    assert "saved with another layout" in said and "weights" in said, said[-2000:]
 
 
 def test_a_slot_whose_restore_was_refused_does_not_overwrite_its_kept_session(smollm2, tmp_path: Path) -> None:
@@ -339,6 +356,7 @@ def test_a_kept_session_comes_back_with_the_first_request_that_continues_it(llam
         assert "waits in" in srv.log() and "restored the kept session" not in srv.log()
         complete(srv.url, "The capital of France is", n_predict=4, cache_prompt=True)  # any slot but the kept one
         assert "restored the kept session" not in srv.log()
+        assert re.search(r"id  1 \| task \S+ \| selected slot by LRU", srv.log()), srv.log()[-2000:]
         answer = complete(srv.url, follow_up, n_predict=12, cache_prompt=True)
         log = srv.log()
     assert "restored the kept session" in log

@@ -125,7 +125,7 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
         folder = sessions.session_dir(model_id)
         folder.mkdir(parents=True, exist_ok=True)
         ours += ["--slot-save-path", str(folder)]
-        if argv.supports(help_text, "--kvmem-lazy-restore"):
+        if argv.supports(help_text, "--kvmem-lazy-restore") and "--no-slots" not in user:  # it lists them there
             ours.append("--kvmem-lazy-restore")  # each session comes back with the first request continuing it
     command = [str(chosen.server), *argv.merge_args(base + ours, argv.sampling_args(mode), user)]
     crowded = argv.parallel_tiering_warning(command, budget, argv.kvmem_defaults(help_text)) if tiering else None

@@ -104,11 +104,10 @@ def save_slots(url: str, headers: dict[str, str], folder: Path) -> list[SlotResu
     results = []
     try:
         n_slots = _n_slots(url, headers)
-        waiting = {r.slot for r in waiting_slots(url, headers)}
     except (httpx.HTTPError, ValueError) as exc:
         return [SlotResult(0, error=f"the server does not answer: {exc}")]
     for slot in range(n_slots):
-        if slot in waiting:
+        if slot in {r.slot for r in waiting_slots(url, headers)}:  # asked again: a request may have taken it back
             continue
         fresh = folder / f"{SLOT_PREFIX}{slot}.new{SLOT_SUFFIX}"
         try:
@@ -151,11 +150,16 @@ def restore_slots(url: str, headers: dict[str, str], folder: Path) -> list[SlotR
 
 
 def waiting_slots(url: str, headers: dict[str, str]) -> list[SlotResult]:
-    """The kept sessions a server started with --kvmem-lazy-restore holds back until a request continues them."""
-    resp = httpx.get(f"{url}/slots", headers=headers, timeout=30)
-    resp.raise_for_status()
+    """The kept sessions a server started with --kvmem-lazy-restore holds back until a request continues them
+    (none when the server does not show its slots)."""
+    try:
+        resp = httpx.get(f"{url}/slots", headers=headers, timeout=30)
+        resp.raise_for_status()
+        slots = resp.json()
+    except (httpx.HTTPError, ValueError):
+        return []
     results = []
-    for slot in resp.json():
+    for slot in slots:
         kept = slot.get("kept_session")
         if kept:
             path = Path(kept.get("file", ""))
