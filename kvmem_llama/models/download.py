@@ -345,6 +345,17 @@ def download_verified(client: httpx.Client, job: Download, target: Path, partial
     return target
 
 
+def _lock_holder(fd: int, wait_s: float = 2.0) -> str:
+    """The pid in a held lock file. The holder writes it just after taking the lock: a loser that looks in
+    between finds the file empty, so it looks again for a moment."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if holder or time.monotonic() >= deadline:
+            return holder
+        time.sleep(0.02)
+
+
 @contextlib.contextmanager
 def _download_lock(lock_path: Path, label: str) -> Iterator[int]:
     """An exclusive flock on the download's lock file, or KvmemError naming the process that holds it.
@@ -359,7 +370,7 @@ def _download_lock(lock_path: Path, label: str) -> Iterator[int]:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                holder = _lock_holder(fd)
                 who = f" (pid {holder})" if holder.isdigit() else ""
                 raise KvmemError(f"another kvmem process{who} is downloading {label} into the same store",
                                  hint="wait for it to finish (then this command has nothing left to fetch), "
