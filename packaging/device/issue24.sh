@@ -26,9 +26,7 @@ stage)
 start)
   job_start packaging/device/issue24.sh ;;
 run)
-  export OUT=/tmp/out
-  . packaging/device/setup-env.sh
-  export PATH=/tmp/site/bin:$PATH
+  job_setup
   { nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv; nproc; command -v ccache; } | tee "$OUT/host.txt"
   # the PCIe ceiling of the stage-ins (the image's PyTorch, before PYTHONPATH points at our site)
   env -u PYTHONPATH python3 packaging/device/h2d_probe.py 2>&1 | tee -a "$OUT/host.txt"

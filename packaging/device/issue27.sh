@@ -15,9 +15,7 @@ case "${1:-}" in
 start)
   job_start packaging/device/issue27.sh ;;
 run)
-  export OUT=/tmp/out
-  . packaging/device/setup-env.sh
-  export PATH=/tmp/site/bin:$PATH
+  job_setup
   { nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv; nproc; free -g | head -2
     df -h /tmp | tail -1; id -u; } | tee "$OUT/host.txt"
   start=$(date +%s)

@@ -1,6 +1,7 @@
 # Sourced by the issue scripts: one background job per device session that survives the calls polling it.
 #   job_start SCRIPT         copy the checkout to /tmp/repo and run `SCRIPT run` there in its own session
 #   job_wait SCRIPT S FILES  until a line lands in FILES (under /tmp/out), the job ends, or S seconds pass
+#   job_setup                in the job: $OUT, the carried wheels and kvmem installed, the source pack unpacked
 
 job_start() {
   rm -rf /tmp/repo /tmp/out && mkdir -p /tmp/out && cp -r . /tmp/repo
@@ -17,4 +18,10 @@ job_wait() {
   while [ "$(date +%s)" -lt "$deadline" ] && [ "$(landed)" = "$before" ] && pgrep -f "$(basename "$script") run" >/dev/null; do
     sleep 5
   done
+}
+
+job_setup() {
+  export OUT=/tmp/out
+  . packaging/device/setup-env.sh
+  export PATH=/tmp/site/bin:$PATH
 }

@@ -39,6 +39,9 @@ void llama_kvmem_cache::release_storage(kvmem_block & hb) {
 }
 
 uint32_t llama_kvmem_cache::n_on_disk(const kvmem_seq & st) const {
+    if (!disk.enabled()) {
+        return 0; // asked at every batch: without a tier, no walk over the blocks on the decode path
+    }
     uint32_t n = 0;
     for (const auto & [b, hb] : st.blocks) {
         n += hb.on_disk ? 1 : 0;
