@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvmem_llama import cpu_backend
-from kvmem_llama.build import plan_build, run_build
+from kvmem_llama.build import DEFAULT_FA_QUANTS, plan_build, run_build
 from kvmem_llama.cli.console import console, human_bytes
 from kvmem_llama.engine import Engine, engine_size, is_current, list_engines, lookup_engine, remove_engines
 from kvmem_llama.errors import KvmemError
@@ -26,9 +26,11 @@ from kvmem_llama.packaging import SUMS_FILE, install_engine_package, package_eng
 @click.option("--force", is_flag=True, help="Rebuild even if this engine is already installed.")
 @click.option("--upstream", is_flag=True,
               help="Build the pinned llama.cpp WITHOUT our patches (a baseline for A/B benchmarks).")
-@click.option("--fa-quants", default="all", show_default=True,
-              help="CUDA flash-attention K/V type pairs: `all` (needed for q5_0 KV) or `default` (upstream's set, "
-                   "builds faster).")
+@click.option("--fa-quants", default=DEFAULT_FA_QUANTS, show_default=True,
+              help="CUDA flash-attention K/V type pairs to compile: `engine` (f16, bf16, q8_0, q5_0 and q4_0 caches, "
+                   "each K and V of one type: what kvmem run plans), `default` (upstream's set, no q5_0), `all` "
+                   "(every pair, for mixed -ctk/-ctv such as q8_0/q5_0; the longest build), or pairs such as "
+                   "`q8_0-q5_0,f16-f16`.")
 @click.option("--ui/--no-ui", default=True, show_default=True,
               help="Embed llama-server's web UI, built from the pinned source with npm (skipped without npm).")
 def build(sm: str | None, jobs: int | None, dry_run: bool, force: bool, upstream: bool, fa_quants: str,

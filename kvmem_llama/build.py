@@ -189,8 +189,44 @@ def detect_toolchain(target: BuildTarget, require_cuda: bool = True) -> Toolchai
     )
 
 
+# The flash-attention K/V pairs a CUDA engine compiles (`kvmem build --fa-quants`). `engine`, the default: the pairs
+# the engine attends with: f16 (the tiered working set, and untiered f16 caches), q8_0 and q5_0 (the planner's
+# quantized caches, untiered or with `--kvmem-gpu-type same`), bf16 and q4_0 (upstream's own set, for users' -ctk/-ctv).
+# A mixed pair (-ctk q8_0 -ctv q5_0) needs `all`. `default` is upstream's set without q5_0.
+FA_QUANT_SETS = {
+    "engine": "f16-f16,bf16-bf16,q8_0-q8_0,q5_0-q5_0,q4_0-q4_0",
+    "default": "f16-f16,bf16-bf16,q8_0-q8_0,q4_0-q4_0",
+}
+FA_TYPES = ("f16", "bf16", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1")
+DEFAULT_FA_QUANTS = "engine"
+
+
+def fa_pairs(fa_quants: str) -> list[str] | None:
+    """The K-V pairs of a `--fa-quants` value (`engine`, `default`, `all` or a comma list such as `q8_0-q5_0`);
+    None for all of them. A wrong value is a BuildError that says what is allowed."""
+    spec = FA_QUANT_SETS.get(fa_quants, fa_quants)
+    if spec == "all":
+        return None
+    pairs = [p.strip().lower() for p in spec.split(",") if p.strip()]
+    for pair in pairs:
+        k, _, v = pair.partition("-")
+        if k not in FA_TYPES or v not in FA_TYPES:
+            raise BuildError(f"--fa-quants: {pair!r} is not a K-V pair of {', '.join(FA_TYPES)}",
+                             hint=f"use {', '.join(FA_QUANT_SETS)}, all, or pairs like q8_0-q5_0,f16-f16")
+    if not pairs:
+        raise BuildError("--fa-quants is empty", hint=f"use {', '.join(FA_QUANT_SETS)} or all")
+    return sorted(set(pairs) | {"f16-f16"})  # the pin always compiles f16-f16
+
+
+def fa_quants_label(fa_quants: str) -> str:
+    """A short name for build folders: the set's name, or a hash of an explicit list."""
+    if fa_quants in FA_QUANT_SETS or fa_quants == "all":
+        return fa_quants
+    return "x" + hashlib.sha256(",".join(fa_pairs(fa_quants) or []).encode()).hexdigest()[:8]
+
+
 def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, build: Path,
-                         fa_quants: str = "all", ui: bool = False) -> list[str]:
+                         fa_quants: str = DEFAULT_FA_QUANTS, ui: bool = False) -> list[str]:
     args = [
         toolchain.cmake, "-S", str(src), "-B", str(build), "-G", toolchain.generator,
         "-DCMAKE_BUILD_TYPE=Release",
@@ -216,9 +252,8 @@ def cmake_configure_args(target: BuildTarget, toolchain: Toolchain, src: Path, b
         args += [
             "-DGGML_CUDA=ON",
             f"-DCMAKE_CUDA_ARCHITECTURES={target.cuda_architectures}",
-            # all: q5_0/q8_0 KV with flash attention (the pin's name for FA_ALL_QUANTS); "default" keeps
-            # upstream's smaller set (f16, bf16, q8_0, q4_0 pairs) and builds in about half the time
-            *([] if fa_quants == "default" else [f"-DGGML_CUDA_FA_QUANTS={fa_quants}"]),
+            # the vector kernels' K/V pairs (the tile/MMA kernels convert quantized K/V to f16 whatever the list)
+            f"-DGGML_CUDA_FA_QUANTS={','.join(fa_pairs(fa_quants) or ['all'])}",
         ]
         if toolchain.ccache:
             args.append(f"-DCMAKE_CUDA_COMPILER_LAUNCHER={toolchain.ccache}")
@@ -261,13 +296,56 @@ def patched_tree(pin: Pin, series: Series, log: Callable[[str], None] = print) -
     return src
 
 
-def engine_key(target: BuildTarget, pin: Pin, series: Series, toolchain: Toolchain, fa_quants: str = "all",
+def engine_key(target: BuildTarget, pin: Pin, series: Series, toolchain: Toolchain, fa_quants: str = DEFAULT_FA_QUANTS,
                ui: bool = False) -> str:
     """Everything that changes the binaries: target, pin, series, toolchain and our cmake flags (the UI
     is a function of the tree, so ON/OFF says which UI)."""
     flags = cmake_configure_args(target, toolchain, Path("src"), Path("build"), fa_quants, ui)
     digest = hashlib.sha256(f"{toolchain.key()}|{flags}".encode()).hexdigest()[:6]
     return f"{target.name}-{tree_key(pin, series)}-{digest}"
+
+
+CUDA_LIBRARY = "libggml-cuda.so"
+# cuobjdump's listings: "ELF file    1: libggml-cuda.1.sm_90.cubin", "PTX file    1: libggml-cuda.1.sm_90.ptx"
+LISTED_ARCH = re.compile(r"^(ELF|PTX) file\s+\d+:.*?\b((?:sm|compute)_\d+[a-z]?)\b", re.MULTILINE)
+
+
+def parse_cuobjdump(elf_listing: str, ptx_listing: str) -> dict[str, list[str]]:
+    """The SMs of the machine code (`cuobjdump --list-elf`) and of the PTX (`--list-ptx`) in a binary."""
+    def archs(listing: str, kind: str) -> list[str]:
+        return sorted({arch for what, arch in LISTED_ARCH.findall(listing) if what == kind})
+    return {"elf": archs(elf_listing, "ELF"), "ptx": archs(ptx_listing, "PTX")}
+
+
+def check_machine_code(found: dict[str, list[str]], target: BuildTarget) -> None:
+    """An engine for sm_NN carries machine code for exactly sm_NN and no PTX (the `-real` targets): a wrong or
+    missing target would reach a user as a "no kernel image" failure at start."""
+    want = sorted(f"sm_{sm}" for sm in target.sms)
+    if found["elf"] != want or found["ptx"]:
+        raise BuildError(f"{CUDA_LIBRARY} holds machine code for {', '.join(found['elf']) or 'nothing'}"
+                         f"{' and PTX for ' + ', '.join(found['ptx']) if found['ptx'] else ''}; "
+                         f"{target.name} must hold {', '.join(want)} only",
+                         hint="check CMAKE_CUDA_ARCHITECTURES in the build log (kvmem build --dry-run shows it)")
+
+
+def cuda_machine_code(build: Path, target: BuildTarget) -> dict[str, list[str]] | dict[str, str] | None:
+    """What `cuobjdump` (beside nvcc) finds in the built CUDA library, checked against the target; None when the
+    toolkit has no cuobjdump (recorded as unknown, not guessed)."""
+    nvcc = shutil.which("nvcc")
+    tool = Path(nvcc).parent / "cuobjdump" if nvcc else None
+    if tool is None or not tool.exists():
+        found_tool = shutil.which("cuobjdump")
+        if not found_tool:
+            return None
+        tool = Path(found_tool)
+    lib = build / "bin" / CUDA_LIBRARY
+    listings = [subprocess.run([str(tool), flag, str(lib)], capture_output=True, text=True)
+                for flag in ("--list-elf", "--list-ptx")]
+    if listings[0].returncode != 0:  # the tool, not the build, failed: say so in the build-info
+        return {"error": f"cuobjdump --list-elf failed: {listings[0].stderr.strip()[-300:]}"}
+    found = parse_cuobjdump(listings[0].stdout, listings[1].stdout)
+    check_machine_code(found, target)
+    return found
 
 
 def _install(build: Path, src: Path, key: str, info: dict) -> Engine:
@@ -306,7 +384,7 @@ class BuildPlan:
     toolchain: Toolchain
     jobs: int
     upstream: bool = False  # the pin without our series, for A/B benchmarks
-    fa_quants: str = "all"
+    fa_quants: str = DEFAULT_FA_QUANTS
     ui: bool = False  # embed the web UI (built with npm); run_build turns it off if npm fails
     ui_skipped: str | None = None  # why the UI is not embedded
 
@@ -325,7 +403,7 @@ class BuildPlan:
 
     @property
     def build_dir(self) -> Path:
-        suffix = "" if self.fa_quants == "all" or not self.target.is_cuda else f"-fa-{self.fa_quants}"
+        suffix = "" if not self.target.is_cuda else f"-fa-{fa_quants_label(self.fa_quants)}"
         return self.tree_root / f"build-{self.target.name}{suffix}"
 
     def configure_args(self) -> list[str]:
@@ -353,7 +431,7 @@ def _ui_choice(want: bool, pin: Pin, series: Series) -> tuple[bool, str | None]:
 
 
 def plan_build(sm: str | None = None, jobs: int | None = None, dry_run: bool = False,
-               upstream: bool = False, fa_quants: str = "all", ui: bool = True) -> BuildPlan:
+               upstream: bool = False, fa_quants: str = DEFAULT_FA_QUANTS, ui: bool = True) -> BuildPlan:
     target = BuildTarget(parse_sms(sm) if sm else ())
     toolchain = detect_toolchain(target, require_cuda=not dry_run)
     series = upstream_series() if upstream else load_series()
@@ -471,6 +549,8 @@ def run_build(plan: BuildPlan, log: Callable[[str], None] = print,
         "generator": plan.toolchain.generator,
         "ccache": bool(plan.toolchain.ccache),
         "cmake_configure": configure,
+        "fa_quants": (fa_pairs(plan.fa_quants) or ["all"]) if plan.target.is_cuda else None,
+        "machine_code": cuda_machine_code(plan.build_dir, plan.target) if plan.target.is_cuda else None,
         "build_dir": str(plan.build_dir),  # holds the C++ unit tests (ctest) of a CPU build
         "ui": {"embedded": bool(assets), "files": assets, "source_hash": ui_source,
                "skipped": None if assets else plan.ui_skipped},

@@ -25,7 +25,8 @@ from kvmem_llama.files import atomic_directory
 
 UI_SUBDIR = "tools/ui"
 # Never part of the source: npm's and the build's outputs if someone ran them in the tree.
-_NOT_SOURCE = {"node_modules", "dist", ".svelte-kit", "build"}
+# tests: not part of what is built, and not in a source pack (PACK_EXCLUDES), whose tree must find the same UI
+_NOT_SOURCE = {"node_modules", "dist", ".svelte-kit", "build", "tests"}
 # vite 7 (the pin's lockfile) refuses older Node.js; the package's .npmrc sets engine-strict.
 MIN_NODE = (20, 19)
 NPM_TIMEOUT_S = 1800

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from kvmem_llama.build import BUILD_TARGETS, parse_sms
+from kvmem_llama.build import (
+    BUILD_TARGETS,
+    BuildTarget,
+    check_machine_code,
+    fa_pairs,
+    fa_quants_label,
+    parse_cuobjdump,
+    parse_sms,
+)
 from kvmem_llama.engine import Engine, matrix_sms
 from kvmem_llama.errors import BuildError
 from kvmem_llama.files import sha256_file
@@ -41,16 +49,56 @@ def path_without(tool: str, tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "PATH": os.pathsep.join([str(shadow), *keep])}
 
 
-def test_dry_run_for_sm90_shows_real_arch_and_all_fa_quants(tmp_path: Path) -> None:
+def test_dry_run_for_sm90_shows_real_arch_and_the_engines_fa_pairs(tmp_path: Path) -> None:
     # a dry run needs no CUDA toolkit: run it without nvcc on PATH
     out = kvmem("build", "--sm", "90", "--dry-run", env=path_without("nvcc", tmp_path))
     assert out.returncode == 0, out.stderr
     text = out.stdout.replace("\n", " ")
     assert "-DCMAKE_CUDA_ARCHITECTURES=90-real" in text
-    assert "-DGGML_CUDA_FA_QUANTS=all" in text
+    # the pairs kvmem run attends with, q5_0 (the 27B profiles' cache) included; not all 49
+    assert "-DGGML_CUDA_FA_QUANTS=bf16-bf16,f16-f16,q4_0-q4_0,q5_0-q5_0,q8_0-q8_0 " in text
+    every = kvmem("build", "--sm", "90", "--dry-run", "--fa-quants", "all", env=path_without("nvcc", tmp_path))
+    assert "-DGGML_CUDA_FA_QUANTS=all " in every.stdout.replace("\n", " ")
     assert "-DGGML_CUDA=ON" in text and "-DGGML_RPC=ON" in text
     for target in BUILD_TARGETS:
         assert f" {target}" in text
+
+
+def test_a_wrong_fa_pair_is_a_clear_cli_error(tmp_path: Path) -> None:
+    out = kvmem("build", "--sm", "90", "--dry-run", "--fa-quants", "q8_0-q3_k", env=path_without("nvcc", tmp_path))
+    assert out.returncode != 0
+    assert "'q8_0-q3_k' is not a K-V pair" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_fa_pairs_of_the_named_sets_and_lists() -> None:
+    assert fa_pairs("all") is None
+    assert "q5_0-q5_0" in fa_pairs("engine") and "q5_0-q5_0" not in fa_pairs("default")
+    assert fa_pairs("Q8_0-q5_0") == ["f16-f16", "q8_0-q5_0"]  # the pin compiles f16-f16 whatever the list
+    assert fa_quants_label("engine") == "engine" and fa_quants_label("q8_0-q5_0").startswith("x")
+    with pytest.raises(BuildError, match="empty"):
+        fa_pairs(" , ")
+
+
+# cuobjdump's listings of a two-fatbin library built for sm_90 and for sm_120a (the format of CUDA 12-13)
+ELF_SM90 = "ELF file    1: libggml-cuda.1.sm_90.cubin\nELF file    2: libggml-cuda.2.sm_90.cubin\n"
+
+
+def test_machine_code_must_be_exactly_the_targets() -> None:
+    found = parse_cuobjdump(ELF_SM90, "")
+    assert found == {"elf": ["sm_90"], "ptx": []}
+    check_machine_code(found, BuildTarget(("90",)))
+    with pytest.raises(BuildError, match="holds machine code for sm_90; cuda-sm89 must hold sm_89 only"):
+        check_machine_code(found, BuildTarget(("89",)))
+    mixed = parse_cuobjdump(ELF_SM90 + "ELF file    3: libggml-cuda.3.sm_89.cubin\n", "")
+    with pytest.raises(BuildError, match="sm_89, sm_90"):
+        check_machine_code(mixed, BuildTarget(("90",)))
+    blackwell = parse_cuobjdump("ELF file    1: libggml-cuda.1.sm_120a.cubin\n", "")
+    check_machine_code(blackwell, BuildTarget(("120a",)))
+    with_ptx = parse_cuobjdump(ELF_SM90, "PTX file    1: libggml-cuda.1.sm_90.ptx\n")
+    with pytest.raises(BuildError, match="and PTX for sm_90"):  # -real targets carry no PTX
+        check_machine_code(with_ptx, BuildTarget(("90",)))
+    with pytest.raises(BuildError, match="machine code for nothing"):
+        check_machine_code(parse_cuobjdump("", ""), BuildTarget(("86",)))
 
 
 def test_sm_specs_normalise_to_the_matrix() -> None:

@@ -385,3 +385,24 @@ def test_rpc_server_loopback(smollm2: Path, tmp_path: Path) -> None:
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
         log = srv.log_text()
         assert f"using device RPC0 ({endpoint})" in log and "offloaded 31/31 layers" in log
+
+
+ENGINE_PAIRS = ["bf16-bf16", "f16-f16", "q4_0-q4_0", "q5_0-q5_0", "q8_0-q8_0"]  # build-info's fa_quants
+
+
+def test_the_gpu_attends_with_the_working_sets_types_under_tiering() -> None:
+    q5 = ["-ctk", "q5_0", "-ctv", "q5_0"]
+    assert argv.attended_kv_pair(q5, tiering=True) == "f16-f16"  # the f16 working set over a q5_0 pool
+    assert argv.attended_kv_pair([*q5, "--kvmem-gpu-type", "same"], tiering=True) == "q5_0-q5_0"
+    assert argv.attended_kv_pair(q5, tiering=False) == "q5_0-q5_0"
+    assert argv.attended_kv_pair([], tiering=False) == "f16-f16"
+
+
+def test_a_kv_pair_the_gpu_engine_has_no_kernel_for_is_named() -> None:
+    mixed = ["-ctk", "q8_0", "-ctv", "q5_0", "-fa", "on"]
+    why = argv.missing_fa_kernels(ENGINE_PAIRS, mixed, tiering=False)
+    assert why is not None and "K/V q8_0/q5_0" in why and "run on the CPU" in why
+    assert argv.missing_fa_kernels(ENGINE_PAIRS, mixed, tiering=True) is None  # the working set is f16
+    assert argv.missing_fa_kernels(ENGINE_PAIRS, ["-ctk", "q5_0", "-ctv", "q5_0"], tiering=False) is None
+    assert argv.missing_fa_kernels(["all"], mixed, tiering=False) is None
+    assert argv.missing_fa_kernels(None, mixed, tiering=False) is None  # an engine built before the list was recorded

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmem_llama import build, webui
 from kvmem_llama.engine import Engine, load_engine, sm_runs_on
 from kvmem_llama.errors import KvmemError, VerificationError
 from kvmem_llama.files import sha256_file
@@ -27,6 +28,8 @@ from kvmem_llama.packaging import (
     unpack_source,
     write_sums,
 )
+from kvmem_llama.patching import load_series
+from kvmem_llama.vendor import load_pin
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +48,7 @@ def test_matrix_dry_run_prints_all_six_targets() -> None:
     assert out.returncode == 0, out.stderr
     for arch in ("75-real", "80-real", "86-real", "89-real", "90-real", "120a-real"):
         assert f"-DCMAKE_CUDA_ARCHITECTURES={arch}" in out.stdout
-    assert out.stdout.count("-DGGML_CUDA_FA_QUANTS=all") == 6
+    assert out.stdout.count("-DGGML_CUDA_FA_QUANTS=bf16-bf16,f16-f16,q4_0-q4_0,q5_0-q5_0,q8_0-q8_0 ") == 6
 
 
 @pytest.fixture
@@ -124,6 +127,28 @@ def test_wrong_sm_is_refused_with_the_reason(cpu_engine: Engine, tmp_path: Path,
 
 
 @pytest.mark.engine
+def test_the_docs_table_names_each_packages_target_machine_code_and_sha(cpu_engine: Engine, tmp_path: Path) -> None:
+    engine = fake_cuda_engine(cpu_engine, tmp_path / "cuda-sm89-fake", "89")
+    info = {**engine.info, "machine_code": {"elf": ["sm_89"], "ptx": []}, "fa_quants": ["f16-f16", "q5_0-q5_0"],
+            "build_seconds": 301.5}
+    (engine.path / "build-info.json").write_text(json.dumps(info))
+    tarball = package_engine(engine, tmp_path / "dist")
+    script = str(ROOT / "packaging/make_packages.py")
+    described = subprocess.run([sys.executable, script, "--describe", str(tmp_path / "dist")],
+                               capture_output=True, text=True, timeout=120)
+    assert described.returncode == 0, described.stderr
+    (tmp_path / "packages.json").write_text(described.stdout)
+    [package] = json.loads(described.stdout)
+    assert package["sha256"] == sha256_file(tarball) and package["info"]["machine_code"]["elf"] == ["sm_89"]
+    table = subprocess.run([sys.executable, script, "--table", str(tmp_path / "packages.json")],
+                           capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0, table.stderr
+    row = table.stdout.splitlines()[-1]
+    assert row.startswith("| cuda-sm89 | RTX 40xx") and "| 301.5 | sm_89 | f16-f16, q5_0-q5_0 |" in row
+    assert sha256_file(tarball) in row
+
+
+@pytest.mark.engine
 def test_install_from_url_with_sums_next_to_it(cpu_engine: Engine, tmp_path: Path, store: Path) -> None:
     dist = tmp_path / "dist"
     tarball = package_engine(cpu_engine, dist)
@@ -161,6 +186,7 @@ def test_unpack_refuses_a_pack_of_another_series(tmp_path: Path, monkeypatch: py
 @pytest.mark.engine
 def test_source_pack_round_trip(cpu_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pack = pack_source(tmp_path / "out")  # reads the real cached patched tree
+    ui_here = webui.source_hash(build.patched_tree(load_pin(), load_series()) / webui.UI_SUBDIR)
     assert pack.stat().st_size < 16 * 2**20  # small enough to carry to a build host
     monkeypatch.setenv("KVMEM_CACHE", str(tmp_path / "cache"))
     src = unpack_source(pack)
@@ -168,3 +194,5 @@ def test_source_pack_round_trip(cpu_engine: Engine, tmp_path: Path, monkeypatch:
                 "common/kvmem-version.h", ".kvmem-tree.json"):
         assert (src / rel).exists(), rel
     assert not (src / "docs").exists() and not (src / "models").exists()
+    # a build host without npm finds the web UI built here (carried into its cache) under the same source hash
+    assert webui.source_hash(src / webui.UI_SUBDIR) == ui_here

@@ -228,6 +228,29 @@ def profile_args(profile: planner.Profile, help_text: str, tiering: bool, has_gp
     return args
 
 
+def attended_kv_pair(command: Sequence[str], tiering: bool) -> str:
+    """The K-V type pair flash attention reads on the GPU for this server command: the cache types, or f16 where a
+    tiered working set stands in for a quantized pool (--kvmem-gpu-type f16, the default)."""
+    flags = user_flags(command)
+    k, v = str(flags.get("-ctk") or "f16"), str(flags.get("-ctv") or "f16")
+    same = any(use.flag == "--kvmem-gpu-type" and use.value == "same" for use in scan_flags(command))
+    if tiering and not same:
+        k, v = planner.working_type(k, "f16"), planner.working_type(v, "f16")
+    return f"{k}-{v}"
+
+
+def missing_fa_kernels(engine_fa_quants: Sequence[str] | None, command: Sequence[str], tiering: bool) -> str | None:
+    """Why this GPU engine would attend on the CPU: its build has no flash-attention kernel for the pair the
+    command attends with (build-info's fa_quants; None or ["all"]: every pair). None when it has one."""
+    if not engine_fa_quants or "all" in engine_fa_quants:
+        return None
+    pair = attended_kv_pair(command, tiering)
+    if pair in engine_fa_quants or pair.replace("f32", "f16") in engine_fa_quants:
+        return None
+    return (f"this engine has no GPU flash-attention kernel for K/V {pair.replace('-', '/')} (it was built with "
+            f"{', '.join(engine_fa_quants)}): attention would run on the CPU")
+
+
 # the disk tier kvmem run gives a capped host pool: this many times the pool, within this share of the free space
 DISK_TIER_POOLS = 2
 DISK_TIER_FREE_SHARE = 0.5

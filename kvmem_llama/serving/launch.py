@@ -128,6 +128,10 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
         if argv.supports(help_text, "--kvmem-lazy-restore") and "--no-slots" not in user:  # it lists them there
             ours.append("--kvmem-lazy-restore")  # each session comes back with the first request continuing it
     command = [str(chosen.server), *argv.merge_args(base + ours, argv.sampling_args(mode), user)]
+    if on_gpu and (missing := argv.missing_fa_kernels(chosen.info.get("fa_quants"), command, tiering)):
+        sm = ",".join(chosen.sms)
+        raise KvmemError(missing, hint=f"use -ctk/-ctv of one type (f16, q8_0, q5_0), or build an engine with every "
+                                       f"pair: kvmem build --sm {sm} --fa-quants all")
     crowded = argv.parallel_tiering_warning(command, budget, argv.kvmem_defaults(help_text)) if tiering else None
     if crowded:
         notes.append(crowded)
