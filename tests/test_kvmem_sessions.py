@@ -296,6 +296,38 @@ def test_a_hybrid_model_slot_resumes_with_its_recurrent_state(llama_server, qwen
     assert "saved with another layout" in said and "weights" in said, said[-2000:]
 
 
+def test_a_draft_mtp_slot_resumes_after_kill_9_with_the_draft_starting_anew(llama_server, qwen35,
+                                                                            tmp_path: Path) -> None:
+    """--spec-type draft-mtp: the target's tiered state is saved and restored; the MTP draft's cache is not in the
+    file and continues the restored sequence from the follow-up on (llama-server empties the slot before a
+    restore). Greedy verification keeps the answer the never-stopped server's; no history token is read again."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    args = ["-c", "8192", "-np", "1", "--kvmem-budget", "1024", "--spec-type", "draft-mtp",
+            "--slot-save-path", str(slots)]
+    with llama_server(qwen35["mtp"], args) as first:
+        history = _tokens(first.url, essay(200))
+        turn = complete(first.url, history, n_predict=8, cache_prompt=True)
+        saved = _slot(first.url, "save", "mtp.bin")
+        assert saved.status_code == 200, saved.text
+        n_saved = saved.json()["n_saved"]
+        follow_up = history + turn["tokens"] + _tokens(first.url, " And chapter 3 again?")
+        expected = complete(first.url, follow_up, n_predict=12, cache_prompt=True)
+        assert expected["timings"]["draft_n"] > 0  # the draft ran before the save too
+        os.kill(first.pid, signal.SIGKILL)
+        _wait_dead(first.pid)
+    with llama_server(qwen35["mtp"], args) as second:
+        restored = _slot(second.url, "restore", "mtp.bin")
+        assert restored.status_code == 200, restored.text
+        assert restored.json()["n_restored"] == n_saved
+        again = complete(second.url, follow_up, n_predict=12, cache_prompt=True)
+        log = second.log()
+    assert again["tokens"] == expected["tokens"]
+    assert again["timings"]["prompt_n"] <= len(follow_up) - n_saved + 1
+    assert again["timings"]["draft_n"] > 0, "the draft did not run after the restore"
+    assert "GGML_ASSERT" not in log and "cannot save" not in log
+
+
 def test_a_slot_whose_restore_was_refused_does_not_overwrite_its_kept_session(smollm2, tmp_path: Path) -> None:
     """A server that cannot take a kept file (here: another block size; kvmem run restores on the first request
     that continues it) leaves its slot empty; stopping it saves nothing over the session, which the right server

@@ -113,7 +113,7 @@ std::string llama_kvmem_cache::state_layout() const {
 }
 
 void llama_kvmem_cache::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
-    refuse_state_with_followers();
+    refuse_state_of_follower();
     kvmem_put(io, KVMEM_STATE_MAGIC);
     kvmem_put(io, KVMEM_STATE_VERSION);
     io.write_string(state_layout());
@@ -188,8 +188,9 @@ void llama_kvmem_cache::write_seq(llama_io_write_i & io, llama_seq_id seq_id, co
 }
 
 void llama_kvmem_cache::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
-    refuse_state_with_followers();
+    refuse_state_of_follower();
     read_header(io); // a state of another layout is refused before anything changes
+    refuse_restore_under_full_followers(seq_id);
     if (seq_id != -1) {
         seq_rm(seq_id, -1, -1); // what is replaced goes first, also when the state holds no cells
     }
@@ -230,10 +231,23 @@ void llama_kvmem_cache::state_read(llama_io_read_i & io, llama_seq_id seq_id, ll
     publish();
 }
 
-void llama_kvmem_cache::refuse_state_with_followers() const {
-    if (leader || !followers.empty()) {
-        throw std::runtime_error("a tiered context with a draft model's cache following it (MTP) cannot save or "
-                "restore its state yet");
+void llama_kvmem_cache::refuse_state_of_follower() const {
+    if (leader) {
+        throw std::runtime_error("this is a draft model's cache that follows a tiered context (MTP): save and restore "
+                "the target context's state; the draft starts a restored sequence empty");
+    }
+}
+
+void llama_kvmem_cache::refuse_restore_under_full_followers(llama_seq_id seq_id) const {
+    // the draft's keys of the history are not in the state: its cache must not hold older tokens of the sequence,
+    // or its next batch (after the restored history) would not continue them
+    for (const llama_kvmem_cache * f : followers) {
+        for (llama_seq_id s = 0; s < (llama_seq_id) n_seq_cap; ++s) {
+            if ((seq_id == -1 || s == seq_id) && f->seq_pos_max(s) >= 0) {
+                throw std::runtime_error(format("the draft model's cache (MTP) still holds sequence %d: empty it "
+                        "(llama_memory_seq_rm on the draft context) before restoring the target's state", s));
+            }
+        }
     }
 }
 

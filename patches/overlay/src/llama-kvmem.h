@@ -282,7 +282,10 @@ private:
     // a saved state (llama-kvmem-state.cpp)
     std::string model_id; // the model a state must have been saved with
     std::string state_layout() const;
-    void refuse_state_with_followers() const;
+    // a draft's cache (MTP) follows the target's residency: its state is not saved; a restore into the target
+    // needs the followers empty for the sequence (the draft starts it anew, after the restored history)
+    void refuse_state_of_follower() const;
+    void refuse_restore_under_full_followers(llama_seq_id seq_id) const;
     void write_seq(llama_io_write_i & io, llama_seq_id seq_id, const kvmem_seq & st) const;
     void read_header(llama_io_read_i & io) const;
     // where a restored sequence's cells go: the saved cells when all are free (the sequence emptied first)
