@@ -6,7 +6,7 @@
                  staged_out=.. reused=.. query_tokens=.. ms=.. stage_ms=.. stage_mib=.. reason=.. pos=..
                  question=.. method=.. lexical=.. score_ms=.. capture_ms=.. plan_ms=.. score_steps=..
                  score_build_ms=.. score_upload_ms=.. score_compute_ms=.. gather_ms=.. stage_wait_ms=..
-                 captured_q=.. [fits=1: the whole history is resident, nothing was scored]
+                 captured_q=.. pinned=.. [fits=1: the whole history is resident, nothing was scored]
     kvmem_score: FOLLOW seq=.. n_blocks=.. staged_in=.. staged_out=.. resident=.. target_resident=.. common=..
     kvmem_score: DRAFT follows the target's selection: blocks=.. layers=.. host_mib=..
     kvmem_score: DISABLED (<reason>)
@@ -26,7 +26,9 @@ phase (zeros with the host scorer): `score_steps` graph steps of query rows per 
 and allocating the graph, `score_upload_ms` the block indices, `score_compute_ms` the graph and its scores back.
 `capture_ms` is the host time spent after ubatches (captures and write-through) since the previous SELECT
 line, `captured_q` the query rows captured in that time (none while a generating sequence's history stays
-resident for as long as its rows would be read: its re-selections are no-ops until then).
+resident for as long as its rows would be read: its re-selections are no-ops until then). `pinned` is the
+sequence's cells held whole in the working set outside the pool's blocks (images: their tokens share
+positions), never scored or evicted.
 ARMED's `score_mib` is the scoring graph's device memory, taken at startup for the largest selection, with
 its query rows (one question and one selection's newest rows, whatever the number of slots).
 FOLLOW is an MTP draft context bringing its resident blocks in line with the target's; DRAFT announces such

@@ -31,6 +31,8 @@ struct kvmem_cut {
 // what the batch is for one sequence
 struct kvmem_part {
     uint32_t n = 0, n_out = 0;
+    uint32_t n_embd = 0;           // embedding inputs (an image's tokens)
+    llama_pos embd_end = -1;       // one past their last position
     size_t first = SIZE_MAX, last = 0;
     llama_pos p0 = std::numeric_limits<llama_pos>::max();
     kvmem_batch_kind kind = kvmem_batch_kind::GEN;
@@ -77,17 +79,14 @@ private:
 kvmem_plan_status kvmem_decoder::plan_parts() {
     for (size_t i = 0; i < n; ++i) {
         const auto & tok = batch.tokens[i];
-        if (tok.has_embd) {
-            const std::string msg = "KV tiering does not support embedding (image/audio) input yet; "
-                "run multimodal models without --kvmem-budget";
-            LLAMA_LOG_ERROR("%s: %s\n", __func__, msg.c_str());
-            km.set_last_error(msg);
-            return kvmem_plan_status::REFUSED;
-        }
         if (tok.seq_ids.size() != 1) {
             return kvmem_plan_status::UNTRACKED; // tokens shared by several sequences: no turn bookkeeping
         }
         auto & p = parts[*tok.seq_ids.begin()];
+        if (tok.has_embd) {
+            p.n_embd++;
+            p.embd_end = std::max(p.embd_end, tok.pos[0] + 1);
+        }
         p.n++;
         p.n_out += tok.output ? 1 : 0;
         p.first = std::min(p.first, i);
@@ -95,6 +94,12 @@ kvmem_plan_status kvmem_decoder::plan_parts() {
         p.p0 = std::min(p.p0, tok.pos[0]);
     }
     single = parts.size() == 1 ? parts.begin()->first : -1;
+    for (const auto & [s, p] : parts) {
+        if (p.n_embd > 0 && !km.admit_embeddings(s, p.n_embd, p.embd_end)) {
+            LLAMA_LOG_ERROR("%s: %s\n", __func__, km.get_last_error().c_str());
+            return kvmem_plan_status::REFUSED;
+        }
+    }
     return kvmem_plan_status::OK;
 }
 
@@ -106,7 +111,7 @@ void kvmem_decoder::begin_parts() {
         }
         std::vector<kvmem_prompt_token> toks;
         for (const auto & tok : batch.tokens) {
-            if (*tok.seq_ids.begin() == s) {
+            if (*tok.seq_ids.begin() == s && !tok.has_embd) { // embeddings are not decoded again (turn_query_span)
                 toks.push_back({ { tok.pos[0], tok.pos[1], tok.pos[2], tok.pos[3] }, tok.id });
             }
         }
@@ -310,9 +315,11 @@ int kvmem_decoder::run() {
     }
     hybrid = km.recurrent() != nullptr && km.may_stage((uint32_t) n);
     begin_parts();
-    if (!one_pass && single >= 0) {
+    // an image's embeddings go in whole: no selection inside them (its cells stay together in the working set)
+    const bool embd = std::any_of(parts.begin(), parts.end(), [](const auto & sp) { return sp.second.n_embd > 0; });
+    if (!one_pass && !embd && single >= 0) {
         plan_single_cuts();
-    } else if (!one_pass && km.may_stage((uint32_t) n)) {
+    } else if (!one_pass && !embd && km.may_stage((uint32_t) n)) {
         plan_multi_cuts();
     }
     int ret = run_cuts();

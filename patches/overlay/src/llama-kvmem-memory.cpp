@@ -90,6 +90,21 @@ void llama_kvmem_cache::remember_tokens(llama_seq_id seq_id, const std::vector<k
     }
 }
 
+bool llama_kvmem_cache::admit_embeddings(llama_seq_id seq_id, uint32_t n_embd, llama_pos end) {
+    kvmem_seq & st = open_seq(seq_id);
+    const uint32_t held = st.n_pinned_cells();
+    const uint32_t need = held + n_embd + geom.floor_share()*kp.block;
+    if (need > kp.budget) {
+        set_last_error(format("an image of %u tokens does not fit the KV tiering working set (--kvmem-budget %u): "
+                "it stays whole on the GPU, next to the %u image tokens this conversation holds and its sink and "
+                "recent window; this needs --kvmem-budget %u or more (or a smaller image)", n_embd, kp.budget, held,
+                kvmem_div_up(need, kp.block)*kp.block));
+        return false;
+    }
+    st.embd_end = std::max(st.embd_end, end);
+    return true;
+}
+
 std::vector<kvmem_prompt_token> llama_kvmem_cache::tokens_from(llama_seq_id seq_id, llama_pos p0) const {
     std::vector<kvmem_prompt_token> out;
     const kvmem_seq * st = find_seq(seq_id);
@@ -154,12 +169,10 @@ void llama_kvmem_cache::turn_query_span(llama_seq_id seq_id, llama_pos end, llam
     // from the last user message to the prompt's end (a tool result after it included), its last query_tokens
     // tokens: a short question after a long history is only the question; without a hint the prompt's end
     const kvmem_seq * st = find_seq(seq_id);
-    const llama_pos n_q = (llama_pos) kp.query_tokens;
     p0 = p1 = end;
-    if (!st || end <= 0) {
-        return;
+    if (st && end > 0) {
+        p0 = st->query_start(end, kp.query_tokens);
     }
-    p0 = st->hint_p0 >= 0 && st->hint_p0 < end ? std::max(st->hint_p0, end - n_q) : std::max<llama_pos>(0, end - n_q);
 }
 
 //
@@ -176,6 +189,7 @@ void llama_kvmem_cache::drop_host_blocks(llama_seq_id seq_id, int32_t b0) {
         it = st->blocks.erase(it);
     }
     st->lexicon.remove_from(b0);
+    st->pinned.erase(st->pinned.lower_bound(b0), st->pinned.end());
     st->next_host = std::min(st->next_host, b0);
 }
 
@@ -247,6 +261,7 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
                 st->blocks.erase(it);
                 st->lexicon.remove(b);
             }
+            st->pinned.erase(b);
         }
         return ok;
     }

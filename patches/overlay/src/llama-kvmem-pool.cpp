@@ -407,8 +407,14 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
             continue;
         }
         const std::vector<uint32_t> idx = block_cells(seq_id, b);
-        if ((int32_t) idx.size() != B) {
-            continue; // not a whole block in the working set (e.g. after a restore): stays GPU-only
+        bool whole = (int32_t) idx.size() == B; // one cell at each of the block's positions (a pool slot's layout)
+        for (int32_t t = 0; whole && t < B; ++t) {
+            whole = cells.pos_get(idx[t]) == b*B + t;
+        }
+        if (!whole) {
+            // an image's block (or not a whole block in the working set, e.g. after a restore): stays GPU-only
+            st.pinned[b] = (uint32_t) idx.size();
+            continue;
         }
         kvmem_block hb;
         if (!pool.take(hb.slot)) {

@@ -157,7 +157,7 @@ void llama_kvmem_cache::capture_tokens(const llama_ubatch & ubatch) {
         if (toks.empty()) {
             toks.assign(B, -1);
         }
-        toks[ubatch.pos[i] % B] = ubatch.token[i];
+        toks[ubatch.pos[i] % B] = ubatch.token ? ubatch.token[i] : -1; // embeddings (an image) have no token id
     }
 }
 
@@ -273,6 +273,9 @@ void llama_kvmem_cache::forget_from(kvmem_seq & st, llama_pos p0, llama_pos p1, 
     }
     st.rows.key.erase(st.rows.key.lower_bound(p0), st.rows.key.lower_bound(p1));
     st.rows.query.erase(st.rows.query.lower_bound(p0), st.rows.query.lower_bound(p1));
+    if (p1 == POS_END && st.embd_end > p0) {
+        st.embd_end = p0; // the image went with the cut (or its positions did)
+    }
     // the block the cut falls in keeps its old summary aside, if its first tokens' rows are gone
     const int32_t b0 = p0/B;
     if (p1 == POS_END && p0 % B != 0 && st.rows.key.find(b0*B) == st.rows.key.end()) {

@@ -4,6 +4,8 @@
 
 #include "ggml.h"
 
+#include <algorithm>
+
 const char * kvmem_reason_name(kvmem_reason reason) {
     switch (reason) {
         case kvmem_reason::TURN:    return "turn";
@@ -70,6 +72,23 @@ void kvmem_seq::resume_gen() {
 void kvmem_seq::cut_prompt() {
     turn.pos = -1;
     phase_   = kvmem_phase::IDLE;
+}
+
+llama_pos kvmem_seq::query_start(llama_pos end, uint32_t n_q) const {
+    const llama_pos last = std::max<llama_pos>(0, end - (llama_pos) n_q);
+    llama_pos p0 = hint_p0 >= 0 && hint_p0 < end ? std::max(hint_p0, last) : last;
+    if (embd_end > p0) {
+        p0 = std::min(embd_end, end); // a prompt that ends with an image has no query to recompute
+    }
+    return p0;
+}
+
+uint32_t kvmem_seq::n_pinned_cells() const {
+    uint32_t n = 0;
+    for (const auto & [b, cells] : pinned) {
+        n += cells;
+    }
+    return n;
 }
 
 uint32_t kvmem_seq::n_resident() const {

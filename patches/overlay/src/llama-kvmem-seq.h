@@ -117,6 +117,10 @@ class kvmem_seq {
 public:
     std::map<int32_t, kvmem_block> blocks; // completed blocks in the host pool, by block index
     int32_t next_host = 0;                 // first block index not yet written through
+    // completed blocks that are not B cells (an image: its tokens share M-RoPE positions, and the positions it
+    // skips leave gaps): they stay whole in the working set and never go to the host pool; by block, their cells
+    std::map<int32_t, uint32_t> pinned;
+    uint32_t n_pinned_cells() const;
 
     kvmem_seq_rows rows;
     kvmem_turn     turn;
@@ -129,6 +133,10 @@ public:
 
     std::deque<kvmem_prompt_token> tokens;                    // recent prompt tokens (recompute)
     std::deque<std::pair<llama_pos, std::vector<uint8_t>>> snapshots; // recurrent states (hybrid models)
+
+    // one past the last position of embedding input (an image's tokens: no token ids, M-RoPE positions shared by
+    // many cells): a turn's query span starts after it, since only token ids can be decoded again
+    llama_pos embd_end    = -1;
 
     llama_pos hint_p0     = -1;    // the application's start of the last user message (one prompt)
     llama_pos hint_p1     = -1;    // and its end
@@ -159,6 +167,10 @@ public:
     void start_turn(llama_pos pos, llama_pos q0, llama_pos q1); // PROMPT -> GEN
     void resume_gen();                                          // -> GEN without a new prompt
     void cut_prompt();                                          // the prompt itself was truncated: -> IDLE
+
+    // the start of the turn's query for a prompt ending at `end`: its last n_q tokens, from the last user message
+    // when the application named it, and after the last image (its embeddings cannot be decoded again)
+    llama_pos query_start(llama_pos end, uint32_t n_q) const;
 
     uint32_t n_resident() const;
     int32_t  n_blocks() const { return blocks.empty() ? 0 : blocks.rbegin()->first + 1; }

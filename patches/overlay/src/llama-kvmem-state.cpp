@@ -225,10 +225,24 @@ void llama_kvmem_cache::state_read(llama_io_read_i & io, llama_seq_id seq_id, ll
             for (auto & [b, hb] : st.blocks) {
                 hb.resident = block_cells(s, b).size() == kp.block;
             }
+            repin(s, st);
         }
     }
     stage_hint = hint < get_size() ? hint : 0;
     publish();
+}
+
+void llama_kvmem_cache::repin(llama_seq_id seq_id, kvmem_seq & st) const {
+    // the blocks held only in the working set (images) are not in a saved state: found again from the cells, and
+    // a turn's query starts after the last of them (an image's embeddings cannot be decoded again)
+    st.pinned.clear();
+    for (int32_t b = 0; b < st.next_host; ++b) {
+        const size_t n = st.blocks.count(b) ? 0 : block_cells(seq_id, b).size();
+        if (n > 0) {
+            st.pinned[b] = (uint32_t) n;
+        }
+    }
+    st.embd_end = st.pinned.empty() ? -1 : (st.pinned.rbegin()->first + 1)*(llama_pos) kp.block;
 }
 
 void llama_kvmem_cache::refuse_state_of_follower() const {

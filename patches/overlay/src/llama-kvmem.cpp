@@ -42,7 +42,11 @@ uint32_t kvmem_residency::share_blocks(const kvmem_seqs & seqs, llama_seq_id seq
             n_active++;
         }
     }
-    return std::max<uint32_t>(g.floor_share(), g.budget_blocks/n_active);
+    // the cells it holds whole (images) come out of its share of pool blocks
+    const auto it = seqs.find(seq_id);
+    const uint32_t pinned = it == seqs.end() ? 0 : (it->second.n_pinned_cells() + g.block - 1)/g.block;
+    const uint32_t even = g.budget_blocks/n_active;
+    return std::max<uint32_t>(g.floor_share(), even > pinned ? even - pinned : 0);
 }
 
 bool kvmem_residency::protected_block(const kvmem_seq & st, int32_t b) const {

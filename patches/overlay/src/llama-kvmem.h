@@ -119,6 +119,11 @@ public:
     // phase transition it makes: a prompt that starts here ends the previous turn
     kvmem_batch_kind begin_batch(llama_seq_id seq_id, uint32_t n, uint32_t n_out, bool last_out, llama_pos p0);
 
+    // a batch's n_embd embedding inputs (an image) ending at position `end`: they stay whole in the working set, so
+    // they, the images the sequence holds already and its floor must fit the budget; false (last error: the budget
+    // it needs) when they do not
+    bool admit_embeddings(llama_seq_id seq_id, uint32_t n_embd, llama_pos end);
+
     // the tokens of a prompt batch, kept (a bounded tail) so that the turn's query span can be recomputed
     void remember_tokens(llama_seq_id seq_id, const std::vector<kvmem_prompt_token> & toks);
 
@@ -285,6 +290,7 @@ private:
     // a draft's cache (MTP) follows the target's residency: its state is not saved; a restore into the target
     // needs the followers empty for the sequence (the draft starts it anew, after the restored history)
     void refuse_state_of_follower() const;
+    void repin(llama_seq_id seq_id, kvmem_seq & st) const; // st.pinned and st.embd_end from the cells
     void refuse_restore_under_full_followers(llama_seq_id seq_id) const;
     void write_seq(llama_io_write_i & io, llama_seq_id seq_id, const kvmem_seq & st) const;
     void read_header(llama_io_read_i & io) const;

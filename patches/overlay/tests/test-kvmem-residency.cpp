@@ -34,6 +34,13 @@ KV_SUITE(residency) {
     seqs[1] = make_seq(6, { 0, 1, 2, 3, 4 }); // a prompt within its share
     seqs[1].start_prompt(false, 0);
     KV_CHECK(rules.share_blocks(seqs, 0) == 5 && rules.share_blocks(seqs, 1) == 5);
+    // an image held whole (two blocks' worth of cells, one of them partly) comes out of the share, above the floor
+    seqs[1].pinned = { { 6, 20 } };
+    KV_CHECK(rules.share_blocks(seqs, 1) == 5); // 5 - 2 is below the floor of 5
+    seqs.erase(0);
+    KV_CHECK(rules.share_blocks(seqs, 1) == 8); // alone: 10 - 2
+    seqs[0] = generating(make_seq(12, { 0, 1, 2, 3, 4, 5, 9, 10, 11 }), 9*16, 10*16, 12*16);
+    seqs[1].pinned.clear();
 
     // protected: the sink always; while generating the question and the newest blocks; a prompt protects none
     const kvmem_seq & gen = seqs[0];

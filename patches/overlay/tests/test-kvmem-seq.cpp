@@ -26,6 +26,16 @@ KV_SUITE(seq) {
     st.hint_p1 = 580;
     KV_CHECK(!st.wants_query_rows(195, 384) && st.wants_query_rows(196, 384) && st.wants_query_rows(599, 384));
 
+    // a turn's query: the prompt's last tokens, from the named user message on, and never an image's embeddings
+    KV_CHECK(st.query_start(600, 64) == 536 && st.query_start(560, 256) == 500 && st.query_start(40, 64) == 0);
+    st.embd_end = 550;
+    KV_CHECK(st.query_start(600, 256) == 550 && st.query_start(600, 32) == 568);
+    KV_CHECK(st.query_start(550, 256) == 550); // a prompt that ends with an image: nothing to decode again
+    st.embd_end = -1;
+    st.pinned = { { 2, 140 }, { 3, 97 } };
+    KV_CHECK(st.n_pinned_cells() == 237);
+    st.pinned.clear();
+
     st.blocks[0].resident = true;
     st.blocks[3].resident = true;
     st.set_picks({ { 3, 0.5f }, { 4, 0.9f } }); // block 4 is not resident: not a pick
