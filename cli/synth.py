@@ -15,7 +15,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from kvmem_llama import synth
+from kvmem_llama import synth, synth_vision
 from kvmem_llama.cli.console import console, human_bytes
 from kvmem_llama.errors import KvmemError
 
@@ -62,10 +62,14 @@ def _shape_table(plan: synth.SynthPlan) -> Table:
               help="Output .gguf file.")
 @click.option("--threads", type=click.IntRange(1, 64), default=None,
               help="Threads generating weights (default: cores - 1, at most 8).")
-@click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+@click.option("--mmproj", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write a vision projector (qwen3vl_merger, random weights) for this model to this "
+                   "file, for `kvmem run --mmproj` (qwen35 only; tiny: a few hundred KB, qwen35-27b: ~0.9 GB).")
+@click.option("--force", is_flag=True, help="Overwrite existing output files.")
 @click.option("--dry-run", is_flag=True, help="Print the shape and size; write nothing.")
 def synth_cmd(arch: str | None, preset: str, mtp: bool, quant: str, seed: int, donor: str | None,
-              n_layer: int | None, output: Path | None, threads: int | None, force: bool, dry_run: bool) -> None:
+              n_layer: int | None, output: Path | None, mmproj: Path | None, threads: int | None, force: bool,
+              dry_run: bool) -> None:
     """Write a synthetic GGUF: random (valid, finite) weights and a real tokenizer.
 
     For tests and benchmarks of archs no registry package ships, e.g. the hybrid
@@ -75,15 +79,24 @@ def synth_cmd(arch: str | None, preset: str, mtp: bool, quant: str, seed: int, d
     Examples:
       kvmem synth --arch qwen35 --preset tiny --mtp -o tiny-qwen35-mtp.gguf
       kvmem synth --preset qwen35-27b --quant q4_k -o qwen35-27b.gguf
+      kvmem synth --arch qwen35 --preset tiny -o tiny-qwen35.gguf --mmproj tiny-mmproj.gguf
       kvmem synth --preset qwen35-27b --dry-run
     """
     if not dry_run:
         if output is None:
             raise click.UsageError("missing -o/--output (or pass --dry-run)")
-        if output.exists() and not force:  # before the (slow) donor read
-            raise KvmemError(f"{output} already exists", hint="pass --force to overwrite it")
+        for path in (output, mmproj):
+            if path is not None and path.exists() and not force:  # before the (slow) donor read
+                raise KvmemError(f"{path} already exists", hint="pass --force to overwrite it")
     plan = synth.plan_for(arch, preset, mtp=mtp, quant=quant, donor=donor, n_layer=n_layer)
+    if mmproj is not None and plan.shape.arch != "qwen35":
+        raise KvmemError(f"--mmproj: the synthetic vision projector is for qwen35 models, not {plan.shape.arch}",
+                         hint="add --arch qwen35")
     console.print(_shape_table(plan))
+    if mmproj is not None:
+        vision = synth_vision.PRESETS[preset]
+        console.print(f"[dim]vision projector[/] qwen3vl_merger {preset}: {vision.n_layer} blocks of "
+                      f"{vision.n_embd}, patch {vision.patch_size}, 2x2 merge into {plan.shape.n_embd}")
     if dry_run:
         return
 
@@ -99,6 +112,10 @@ def synth_cmd(arch: str | None, preset: str, mtp: bool, quant: str, seed: int, d
                                        progress=on_progress, threads=threads)
     console.print(f"[green]wrote[/] {result.path} · {human_bytes(result.file_bytes)} in {result.seconds:.1f} s "
                   f"({result.mb_per_s:.0f} MB/s)")
+    if mmproj is not None:
+        path = synth_vision.synthesize_mmproj(mmproj, text_n_embd=plan.shape.n_embd, preset=preset, seed=seed,
+                                              force=force)
+        console.print(f"[green]wrote[/] {path} · {human_bytes(path.stat().st_size)} (vision projector)")
 
 
 COMMANDS = [synth_cmd]

@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -588,14 +589,7 @@ def write_synthetic(plan: SynthPlan, out: str | Path, *, seed: int = 0, preset: 
     writer = GGUFWriter(part, plan.shape.arch)
     try:
         _add_metadata(writer, plan, tok, seed, preset)
-        for spec in plan.tensors:
-            writer.add_tensor_info(spec.name, tuple(reversed(spec.ne)), np.dtype(np.float32), spec.nbytes,
-                                   raw_dtype=_gguf_type(spec.qtype))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout = writer.fout[0]
-        writer.write_padding(fout, fout.tell())
+        fout = begin_tensor_data(writer, [(t.name, t.ne, t.nbytes, _gguf_type(t.qtype)) for t in plan.tensors])
         if zero_weights:
             fout.flush()
             fout.truncate(fout.tell() + total)
@@ -655,6 +649,19 @@ def plan_for(arch: str | None, preset: str = "tiny", *, mtp: bool = False, quant
     if donor is not None:
         shape = replace(shape, donor=str(donor))
     return make_plan(shape, quant)
+
+
+def begin_tensor_data(writer, tensors: list[tuple[str, tuple[int, ...], int, Any]]):
+    """Declare the tensors (name, ggml shape, bytes, gguf type), write the header, the metadata and the tensor
+    infos, and return the file at the aligned start of the tensor data (written in the same order)."""
+    for name, ne, nbytes, qtype in tensors:
+        writer.add_tensor_info(name, tuple(reversed(ne)), np.dtype(np.float32), nbytes, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    fout = writer.fout[0]
+    writer.write_padding(fout, fout.tell())
+    return fout
 
 
 def synthesize(out: str | Path, arch: str | None, preset: str = "tiny", *, mtp: bool = False, quant: str = "q4_k",

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from kvmem_llama.errors import KvmemError
+from kvmem_llama.synth import begin_tensor_data
 
 PROJECTOR_TYPE = "qwen3vl_merger"  # PROJECTOR_TYPE_QWEN3VL in clip-impl.h
 F32, F16 = 0, 1  # ggml type ids
@@ -234,14 +235,7 @@ def synthesize_mmproj(out: str | Path, *, text_n_embd: int, preset: str = "tiny"
     writer = GGUFWriter(part, "clip")
     try:
         _metadata(writer, shape, text_n_embd, preset, seed)
-        for spec in plan:
-            writer.add_tensor_info(spec.name, tuple(reversed(spec.ne)), np.dtype(np.float32), spec.nbytes,
-                                   raw_dtype=GGMLQuantizationType(spec.qtype))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout = writer.fout[0]
-        writer.write_padding(fout, fout.tell())
+        fout = begin_tensor_data(writer, [(t.name, t.ne, t.nbytes, GGMLQuantizationType(t.qtype)) for t in plan])
         for spec, ss in zip(plan, np.random.SeedSequence(seed).spawn(len(plan)), strict=True):
             data = _values(spec, ss)
             if data.nbytes != spec.nbytes:  # a plan/generator mismatch would make a silently corrupt file

@@ -169,6 +169,19 @@ def test_cli_writes_refuses_overwrite_and_dry_runs(tmp_path: Path) -> None:
     bad = runner.invoke(synth_cmd, ["--arch", "gpt5", "-o", str(tmp_path / "x.gguf")])
     assert bad.exit_code == 2 and "gpt5" in bad.output
 
+    vision = tmp_path / "mmproj.gguf"  # the projector of the same model, sized for its hidden width
+    both = runner.invoke(synth_cmd, [*args, "--force", "--mmproj", str(vision)])
+    assert both.exit_code == 0, both.output
+    meta = {k: synth._field_value(f) for k, f in GGUFReader(vision).fields.items()}
+    assert meta["general.type"] == "mmproj"
+    assert meta["clip.vision.projection_dim"] == synth.preset_shape("qwen35", "tiny").n_embd
+    taken = runner.invoke(synth_cmd, [*args[:-1], str(tmp_path / "n.gguf"), "--mmproj", str(vision)])
+    assert isinstance(taken.exception, KvmemError) and f"{vision} already exists" in str(taken.exception)
+    assert not (tmp_path / "n.gguf").exists()  # refused before anything was written
+    llama = runner.invoke(synth_cmd, ["--arch", "llama", "-o", str(tmp_path / "l.gguf"), "--mmproj",
+                                      str(tmp_path / "v.gguf"), "--donor", "smollm2"])
+    assert isinstance(llama.exception, KvmemError) and "for qwen35 models" in str(llama.exception)
+
     dry = runner.invoke(synth_cmd, ["--preset", "qwen35-27b", "--mtp", "--dry-run"])
     assert dry.exit_code == 0, dry.output
     assert "16 full attention" in dry.output and "14.4 GiB" in dry.output
