@@ -209,7 +209,8 @@ def _check_alive(handle: launch.ServerHandle | None) -> None:
 def _start(model: str | None, extra: list[str], opts: dict, quiet: bool) -> launch.ServerHandle:
     lp = launch.prepare(model, extra_args=extra, ctx=opts["ctx"], port=opts["port"], host=opts["host"],
                         mode=opts["mode"], ctk=opts["ctk"], ctv=opts["ctv"], engine=opts["engine"], rpc=opts["rpc"],
-                        pull=True, confirm=confirm_download(opts["yes"]), draft_mtp=opts["draft_mtp"])
+                        pull=True, confirm=confirm_download(opts["yes"]), draft_mtp=opts["draft_mtp"],
+                        mmproj=opts["mmproj"])
     if not quiet:
         _print_warnings(lp.notes, lp.plan.fixes)
         err_console.print(f"[dim]starting {lp.model_id} on engine {lp.engine.key}…[/]")

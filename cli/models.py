@@ -90,8 +90,12 @@ def pull_cmd(names: tuple[str, ...], connections: int, insecure: bool, retries: 
     for name in names:
         with RichProgress() as progress:
             rec = models.pull_model(name, connections=connections, insecure=insecure, progress=progress,
-                                    max_retries=retries)
+                                    max_retries=retries, on_note=lambda note: console.print(f"[yellow]{note}[/]"))
         console.print(f"[green]ok[/] {name} -> {rec.path}  ({human_bytes(rec.size)}, sha256 {rec.sha256[:16]}…)")
+        projector, _ = models.projector_record(models.resolve_model(name))
+        if projector is not None:
+            console.print(f"[green]ok[/] vision projector -> {projector.path}  ({human_bytes(projector.size)}, "
+                          f"sha256 {projector.sha256[:16]}…)")
 
 
 @click.command("list")

@@ -73,9 +73,13 @@ def _print_warnings(lines: list[str], fixes: list[str] | None = None) -> None:
 @click.option("--ctv", type=CACHE_TYPES, help="V cache type (default: same as --ctk).")
 @click.option("--gpu", "gpu_index", type=click.IntRange(0), default=0, show_default=True, help="GPU index.")
 @click.option("--draft-mtp/--no-draft-mtp", default=None, help="Force the MTP draft on/off (default: when it fits).")
+@click.option("--mmproj", metavar="FILE|none", default="",
+              help="Vision projector to count (default: the pulled one the model's catalog entry names).")
+@click.option("--no-mmproj-offload", is_flag=True, help="Plan the vision projector in RAM instead of VRAM.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan_cmd(model: str | None, vram: str | None, ram: str | None, ctx: int | None, ctk: str | None,
-             ctv: str | None, gpu_index: int, draft_mtp: bool | None, as_json: bool) -> None:
+             ctv: str | None, gpu_index: int, draft_mtp: bool | None, mmproj: str, no_mmproj_offload: bool,
+             as_json: bool) -> None:
     """Plan memory for MODEL on this machine: weights, KV per token, working set, host pool.
 
     Reads the GGUF header and the hardware (NVML, psutil) and picks a profile: context,
@@ -84,7 +88,8 @@ def plan_cmd(model: str | None, vram: str | None, ram: str | None, ctx: int | No
     from its header alone, read with HTTP Range requests and cached.
     """
     hw = hardware.detect(vram, ram, gpu_index)
-    result = planner.plan_model(model, hw, ctx=ctx, ctk=ctk, ctv=ctv, draft_mtp=draft_mtp, gpu_index=gpu_index)
+    result = planner.plan_model(model, hw, mmproj=mmproj, ctx=ctx, ctk=ctk, ctv=ctv, draft_mtp=draft_mtp,
+                                gpu_index=gpu_index, mmproj_offload=not no_mmproj_offload)
     if as_json:
         data = result.to_dict()
         data["hardware"] = hw.to_dict()
@@ -132,6 +137,9 @@ def launch_options(default_port: str) -> Callable[[Callable], Callable]:
         click.option("--timeout", type=click.FloatRange(1), default=300, show_default=True,
                      help="Readiness timeout, s."),
         click.option("--yes", "-y", is_flag=True, help="Download a missing model without asking."),
+        click.option("--mmproj", metavar="FILE|none",
+                     help="Vision projector (mmproj GGUF) for image input (default: the one the model's catalog "
+                          "entry names, pulled with it). Images work with KV tiering on."),
     ]
 
     def apply(command: Callable) -> Callable:
@@ -143,7 +151,7 @@ def launch_options(default_port: str) -> Callable[[Callable], Callable]:
 
 
 LAUNCH_OPTION_NAMES = ("ctx", "ctk", "ctv", "mode", "port", "host", "name", "engine", "rpc", "draft_mtp", "timeout",
-                       "yes")
+                       "yes", "mmproj")
 
 
 def confirm_download(yes: bool) -> Callable[[str], bool]:
@@ -179,7 +187,8 @@ def print_web_ui(url: str) -> None:
                    "it again. Uses disk: ~the host KV pool per slot (see `kvmem sessions`).")
 def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ctk: str | None, ctv: str | None,
             mode: str, port: str, host: str, name: str | None, detach: bool, engine: str | None, rpc: str | None,
-            draft_mtp: bool | None, timeout: float, yes: bool, quiet: bool, dry_run: bool, keep_sessions: bool) -> int:
+            draft_mtp: bool | None, timeout: float, yes: bool, mmproj: str | None, quiet: bool, dry_run: bool,
+            keep_sessions: bool) -> int:
     """Run MODEL (default: the embedded SmolLM2) as an OpenAI-compatible server and wait until it is ready.
 
     The engine matches your GPU (or the CPU), the plan fits your VRAM and RAM, and every
@@ -196,7 +205,7 @@ def run_cmd(model: str | None, server_args: tuple[str, ...], ctx: int | None, ct
     model, extra = _split_model(model, server_args)
     lp = launch.prepare(model, extra_args=extra, ctx=ctx, port=port, host=host, mode=mode, ctk=ctk, ctv=ctv,
                         engine=engine, rpc=rpc, pull=True, confirm=confirm_download(yes), draft_mtp=draft_mtp,
-                        keep_sessions=keep_sessions)
+                        keep_sessions=keep_sessions, mmproj=mmproj)
     _print_warnings(lp.notes, lp.plan.fixes)
     if dry_run:
         console.print(f"engine {lp.engine.key}; model id {lp.model_id}; tiering {'on' if lp.tiering else 'off'}")

@@ -48,9 +48,49 @@ HELP = """\
 /system TEXT      set the system prompt (/system alone removes it)
 /mode chat|tool   sampling: chat (temp 0.7) or tool (temp 0.2, presence 0.05)
 /stats            KV working set vs host pool, the last SELECT, tokens per second
+/image FILE       send an image (PNG, JPEG, GIF, BMP) with your next message; the server needs a
+                  vision projector (kvmem run MODEL --mmproj FILE); /image alone drops the waiting ones
 /bye              quit (also Ctrl-D on an empty line)
 Multi-line input: start and end with \"\"\", or end lines with a backslash.
 Ctrl-C stops the answer being written, not the chat."""
+
+
+# what an image file starts with -> its media type (the formats llama-server's image decoder reads)
+IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF87a", "image/gif"),
+               (b"GIF89a", "image/gif"), (b"BM", "image/bmp"))
+MAX_IMAGE_BYTES = 20 << 20
+
+
+def image_part(path: Path) -> dict:
+    """An OpenAI `image_url` content part (a base64 data URI) for an image file, or a KvmemError saying why not."""
+    import base64
+
+    try:
+        size = path.stat().st_size
+        if size > MAX_IMAGE_BYTES:
+            raise KvmemError(f"{path} is {size / 2**20:.1f} MiB: images up to {MAX_IMAGE_BYTES >> 20} MiB go in a "
+                             "request", hint="scale it down first (the model sees at most a few megapixels)")
+        data = path.read_bytes()
+    except IsADirectoryError:
+        raise KvmemError(f"{path} is a directory, not an image file") from None
+    except OSError as exc:
+        raise KvmemError(f"cannot read {path}: {exc.strerror or exc}") from None
+    mime = next((m for magic, m in IMAGE_MAGIC if data.startswith(magic)), None)
+    if mime is None:
+        raise KvmemError(f"{path} is not a PNG, JPEG, GIF or BMP image",
+                         hint="convert it to PNG or JPEG (llama-server's image decoder reads those)")
+    return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}
+
+
+def _valid_content(content: object) -> bool:
+    """A message's content: text, or a list of text and image_url parts (what the OpenAI API takes)."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and bool(content) and all(
+        isinstance(p, dict) and (p.get("type") == "text" and isinstance(p.get("text"), str)
+                                 or p.get("type") == "image_url" and isinstance(p.get("image_url"), dict)
+                                 and isinstance(p["image_url"].get("url"), str))
+        for p in content)
 
 
 def sampling_params(mode: str) -> dict[str, float]:
@@ -68,13 +108,14 @@ def sampling_params(mode: str) -> dict[str, float]:
 @dataclass
 class Conversation:
     system: str | None = None
-    turns: list[dict[str, str]] = field(default_factory=list)  # user and assistant messages, in order
+    # user and assistant messages, in order; a user message with images has a list of parts as its content
+    turns: list[dict] = field(default_factory=list)
 
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + [dict(m) for m in self.turns]
 
-    def add(self, user: str, assistant: str) -> None:
+    def add(self, user: str | list[dict], assistant: str) -> None:
         self.turns += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
 
     def clear(self) -> None:
@@ -92,7 +133,8 @@ class Conversation:
                              hint='expected {"messages": [{"role": "user", "content": "..."}, ...]}')
         conv = cls()
         for i, msg in enumerate(messages):
-            if not (isinstance(msg, dict) and msg.get("role") in ROLES and isinstance(msg.get("content"), str)):
+            if not (isinstance(msg, dict) and msg.get("role") in ROLES and _valid_content(msg.get("content"))
+                    and (msg["role"] == "user" or isinstance(msg["content"], str))):
                 raise KvmemError(f"message {i + 1} of {source} is not a {{role, content}} pair with role "
                                  f"{'/'.join(ROLES)}: {json.dumps(msg)[:120]}")
             if msg["role"] == "system":
@@ -148,7 +190,9 @@ def _server_error(resp: httpx.Response) -> KvmemError:
         message = error.get("message") if isinstance(error, dict) else str(error)
     except (ValueError, AttributeError):
         message = None
-    return KvmemError(f"the server answered HTTP {resp.status_code}: {message or resp.text[:300]}")
+    hint = ("this server has no vision projector: start it with one (kvmem run MODEL --mmproj FILE), or /image "
+            "alone and /clear to go on without the image" if message and "mmproj" in message else None)
+    return KvmemError(f"the server answered HTTP {resp.status_code}: {message or resp.text[:300]}", hint=hint)
 
 
 class Reply:
@@ -415,16 +459,19 @@ class ChatSession:
         if mode is not None:
             sampling_params(mode)  # an unknown mode fails here, not at the first answer
         self.last_turn: TurnStats | None = None
+        self.images: list[dict] = []  # image parts waiting for the next message (/image)
 
     def ask(self, text: str) -> Reply:
-        """Stream the answer to `text`. The turn joins the conversation when the answer ends or is
-        cancelled with some text; an interrupted answer stays as far as it was shown."""
-        messages = self.conversation.messages() + [{"role": "user", "content": text}]
+        """Stream the answer to `text` (with the images /image attached). The turn joins the conversation when
+        the answer ends or is cancelled with some text; an interrupted answer stays as far as it was shown."""
+        content: str | list[dict] = [{"type": "text", "text": text}, *self.images] if self.images else text
+        messages = self.conversation.messages() + [{"role": "user", "content": content}]
 
         def ended(reply: Reply) -> None:
             self.last_turn = reply.stats
             if reply.text or not reply.stats.interrupted:
-                self.conversation.add(text, reply.text)
+                self.conversation.add(content, reply.text)
+                self.images = []  # they are in the conversation now (and go with every later turn)
 
         params: dict = sampling_params(self.mode) if self.mode else {}
         if self.max_tokens:
@@ -460,6 +507,15 @@ class ChatSession:
                 return CommandResult(f"saved {len(self.conversation.messages())} messages to {path}")
             self.conversation = Conversation.load(path)
             return CommandResult(f"loaded {len(self.conversation.messages())} messages from {path}")
+        if name == "/image":
+            if not arg:
+                n, self.images = len(self.images), []
+                return CommandResult(f"dropped {n} waiting image{'s' if n != 1 else ''}")
+            path = self._path_arg(name, arg)
+            self.images.append(image_part(path))
+            n = len(self.images)
+            return CommandResult(f"{path.name} ({path.stat().st_size / 1024:.0f} KiB) goes with your next message"
+                                 + (f" ({n} images)" if n > 1 else ""))
         if name == "/stats":
             stats = self.client.server_stats()
             return CommandResult("\n".join(describe(stats, self.last_turn, self.mode,
@@ -473,7 +529,8 @@ class ChatSession:
         except ValueError as exc:
             raise KvmemError(f"{name}: {exc}") from None
         if len(parts) != 1:
-            raise KvmemError(f"{name} takes one file name", hint=f"{name} chat.json")
+            example = "photo.png" if name == "/image" else "chat.json"
+            raise KvmemError(f"{name} takes one file name", hint=f"{name} {example}")
         return Path(parts[0]).expanduser()
 
 

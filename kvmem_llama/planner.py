@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.hardware import Hardware
-from kvmem_llama.models import NotDownloaded, remote_header, resolve_model
+from kvmem_llama.models import NotDownloaded, remote_header, resolve_model, vision_projector
 from kvmem_llama.models.gguf_info import SUMMARY_CHUNK_TOKENS, ModelInfo, model_info
 
 MiB = 1 << 20
@@ -156,8 +156,9 @@ def _gpu_kv_choice(info: ModelInfo, kv_room: int, ctx: int, gen_reserve: int,
     return best
 
 
-def plan_model(model: str | None, hw: Hardware, **options) -> Plan:
-    """Resolve a model name or path (None: the default model), read its header and plan it on `hw`.
+def plan_model(model: str | None, hw: Hardware, mmproj: str = "", **options) -> Plan:
+    """Resolve a model name or path (None: the default model), read its header and plan it on `hw`, with the
+    vision projector `mmproj` (a path, `none`, or empty: the pulled one its catalog entry names).
 
     A hub model that is not downloaded is planned from its GGUF header, read over HTTP Range requests;
     the plan's `not_downloaded` then says what the download would be."""
@@ -168,16 +169,23 @@ def plan_model(model: str | None, hw: Hardware, **options) -> Plan:
         result = plan(model_info(remote.header), hw, label=missing.alias or f"{remote.repo}:{remote.file}", **options)
         result.not_downloaded = remote.summary()
         return result
-    return plan(model_info(resolved.path), hw, label=resolved.name, **options)
+    projector, note = vision_projector(resolved, mmproj)
+    result = plan(model_info(resolved.path), hw, label=resolved.name,
+                  mmproj_bytes=projector.stat().st_size if projector else 0, **options)
+    if note:
+        result.warnings.append(note)
+    return result
 
 
 def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | None = None,
          ctv: str | None = None, draft_mtp: bool | None = None, gen_reserve: int | None = None,
-         gpu_index: int = 0, label: str | None = None, gpu_type: str | None = None) -> Plan:
+         gpu_index: int = 0, label: str | None = None, gpu_type: str | None = None, mmproj_bytes: int = 0,
+         mmproj_offload: bool = True) -> Plan:
     """The profile for running the model on `hw` at `ctx` tokens (default: the trained context).
 
     With tiering the KV lives in two tiers: the GPU working set (budget + reserve tokens, f16 over a
-    quantized -ctk/-ctv unless gpu_type is "same") and the host pool (the whole context, -ctk/-ctv)."""
+    quantized -ctk/-ctv unless gpu_type is "same") and the host pool (the whole context, -ctk/-ctv).
+    `mmproj_bytes`: a vision projector's weights, in VRAM before the working set (`mmproj_offload`) or in RAM."""
     if info.n_layers <= 0:
         raise KvmemError(f"{info.path} has no {info.arch}.block_count: no layers to plan",
                          hint="is this a model file (and not e.g. a vocabulary-only GGUF)?")
@@ -186,9 +194,10 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
     gpu = hw.gpu(gpu_index)
     compute = compute_buffer_bytes(info)
     if gpu is None:
-        return _plan_cpu(info, label, hw, ctx, ctk or "f16", ctv or ctk or "f16", compute)
+        return _plan_cpu(info, label, hw, ctx, ctk or "f16", ctv or ctk or "f16", compute, mmproj_bytes)
 
     vram = gpu.vram_free
+    vision_gpu = mmproj_bytes if mmproj_offload else 0
     reserve = DEFAULT_GEN_RESERVE if gen_reserve is None else gen_reserve
     reserve = min(reserve, max(BLOCK_TOKENS, ctx // 8))
     choices = _cache_choices(ctk, ctv, gpu_type)
@@ -198,7 +207,7 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
 
     def attempt(with_mtp: bool):
         mtp_weights = info.mtp_weights_bytes if with_mtp else 0
-        room = vram - trunk - compute - GPU_OVERHEAD - mtp_weights
+        room = vram - trunk - compute - GPU_OVERHEAD - mtp_weights - vision_gpu
         if with_mtp:  # the draft's KV follows the target's working set; reserve it for ctx/6 cells
             room -= info.mtp_kv_bytes(*choices[-1][:2]) * min(ctx, ctx // CTX_PER_BUDGET + reserve)
         if room <= 0:
@@ -218,6 +227,8 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
         # the weights themselves do not fit: offload only some layers, KV stays with them
         fixes = [
             "turn off the MTP draft (--no-draft-mtp)" if use_mtp else None,
+            "keep the vision projector in RAM (-- --no-mmproj-offload: images encode on the CPU, seconds each)"
+            if vision_gpu else None,
             "use a smaller quantization of the model (e.g. IQ3 instead of Q4)",
             "offload fewer layers (-ngl N; the rest run on the CPU, slowly)",
             "close other programs that hold VRAM" if gpu.detected else None,
@@ -254,7 +265,11 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
     profile = Profile("gpu", ctx, budget, reserve if budget else 0, BLOCK_TOKENS, c_k, c_v, host_mib, use_mtp, ngl,
                       g_type, score_on)
     summaries = summary_bytes(info, ctx) if budget and score_on == "device" else 0
-    used = trunk + compute + GPU_OVERHEAD + kv_gpu + mtp_cost + summaries
+    used = trunk + compute + GPU_OVERHEAD + kv_gpu + mtp_cost + summaries + vision_gpu
+    if vision_gpu and budget and ws_per_token:
+        warnings.append(f"the vision projector ({vision_gpu / GiB:.2f} GiB) takes the room of "
+                        f"{vision_gpu // ws_per_token:,} working-set tokens; -- --no-mmproj-offload keeps it in RAM "
+                        "(images then encode on the CPU: seconds each instead of milliseconds)")
     ledger = [
         ("VRAM", vram, f"{gpu.name}" + ("" if gpu.detected else " (given)")),
         ("weights on GPU", trunk if ngl is None else trunk * ngl // max(1, info.n_layers), label),
@@ -262,6 +277,8 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
         ("runtime overhead", GPU_OVERHEAD, "CUDA context, workspace"),
         ("KV working set", kv_gpu, f"{(budget + reserve) if budget else ctx} tokens x {ws_per_token} B ({w_k}/{w_v})"),
         ("MTP draft", mtp_cost, "head weights + its KV" if use_mtp else "off"),
+        *([("vision projector", vision_gpu, "weights; its compute buffer grows with the image size")]
+          if vision_gpu else [("vision projector", 0, "in RAM (--no-mmproj-offload)")] if mmproj_bytes else []),
         ("block summaries", summaries, "tiering off" if not budget else
          f"{ctx} tokens x {info.summary_bytes_per_token} B (f16 8-token key means), scored on the GPU; "
          "with the scoring scratch and the staging buffer"
@@ -274,10 +291,11 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
     return Plan(info, label, profile, ledger, info.kv_bytes_per_token, vram, hw.ram_available, warnings, fixes)
 
 
-def _plan_cpu(info: ModelInfo, label: str, hw: Hardware, ctx: int, ctk: str, ctv: str, compute: int) -> Plan:
+def _plan_cpu(info: ModelInfo, label: str, hw: Hardware, ctx: int, ctk: str, ctv: str, compute: int,
+              mmproj_bytes: int = 0) -> Plan:
     """No GPU: weights (mmapped), full KV and compute buffers live in RAM; no tiering."""
     per_token = info.kv_bytes(ctk, ctv)
-    weights = info.trunk_weights_bytes
+    weights = info.trunk_weights_bytes + mmproj_bytes
     warnings = _weights_warnings(info)
     fixes: list[str] = []
     room = int(hw.ram_available * RAM_HEADROOM) - weights - compute
@@ -294,7 +312,8 @@ def _plan_cpu(info: ModelInfo, label: str, hw: Hardware, ctx: int, ctk: str, ctv
     profile = Profile("cpu", ctx, 0, 0, BLOCK_TOKENS, ctk, ctv, 0, False, None)
     ledger = [
         ("RAM available", hw.ram_available, ""),
-        ("weights (mmap)", weights, label),
+        ("weights (mmap)", weights, label + (f" + vision projector {mmproj_bytes / MiB:.0f} MiB"
+                                              if mmproj_bytes else "")),
         ("compute buffers", compute, f"ubatch {UBATCH}: logits + activations"),
         ("KV cache", per_token * ctx, f"{ctx} tokens x {per_token} B ({ctk}/{ctv})"),
         ("RAM left", hw.ram_available - weights - compute - per_token * ctx, ""),

@@ -224,14 +224,37 @@ def _pull_hub(entry: CatalogEntry, alias: str | None, *, connections: int, insec
 
 
 def pull_model(name: str, *, connections: int = 8, insecure: bool = False, progress: Progress | None = None,
-         confirm: Confirm | None = None, max_retries: int = 6, backoff: float = 0.5) -> Record:
-    """Make `name` (alias or OWNER/REPO:FILE.gguf) present and verified in the store."""
+         confirm: Confirm | None = None, max_retries: int = 6, backoff: float = 0.5,
+         on_note: Callable[[str], None] | None = None) -> Record:
+    """Make `name` (alias or OWNER/REPO:FILE.gguf) present and verified in the store, with the vision projector
+    its catalog entry names (`projector_record` finds it). A projector the repo does not have is a note (the
+    model works without it); one that fails verification is an error."""
+    kw = {"connections": connections, "insecure": insecure, "progress": progress, "confirm": confirm,
+          "max_retries": max_retries, "backoff": backoff}
     rec = store.find(name)
     if rec is not None and _record_ok(rec) and (rec.verified_at or _catalog.lookup(name) is None):
-        return rec
-    entry, alias = _entry_for(name)
-    if entry is None:
-        raise _unknown(name)
+        entry = _catalog.lookup(name)
+    else:
+        entry, alias = _entry_for(name)
+        if entry is None:
+            raise _unknown(name)
+        rec = _pull_entry(entry, alias, **kw)
+    projector = entry.projector() if entry is not None else None
+    if projector is not None:
+        found = store.find(projector.alias)
+        if found is None or not _record_ok(found):
+            try:
+                _pull_entry(projector, projector.alias, **kw)
+            except VerificationError:
+                raise
+            except KvmemError as exc:  # kvmem run then says that vision is off, and why
+                if on_note is not None:
+                    on_note(f"no vision projector for {name} ({exc}): the model runs without image input")
+    return rec
+
+
+def _pull_entry(entry: CatalogEntry, alias: str | None, *, connections: int, insecure: bool,
+                progress: Progress | None, confirm: Confirm | None, max_retries: int, backoff: float) -> Record:
     if entry.shipped:
         return _pull_shipped(entry, alias, True, progress)
     cached = hf_cache.find_for_entry(entry)
@@ -243,6 +266,16 @@ def pull_model(name: str, *, connections: int = 8, insecure: bool = False, progr
                                          "commit": cached.commit}, progress=progress)
     return _pull_hub(entry, alias, connections=connections, insecure=insecure, progress=progress,
                      confirm=confirm, max_retries=max_retries, backoff=backoff)
+
+
+def projector_record(model: ResolvedModel) -> tuple[Record | None, CatalogEntry | None]:
+    """(the stored vision projector of a catalog model, the projector's catalog entry): (None, entry) when the
+    entry names one that is not pulled yet, (None, None) when it names none."""
+    projector = model.entry.projector() if model.entry is not None else None
+    if projector is None:
+        return None, None
+    rec = store.find(projector.alias)
+    return (rec if rec is not None and _record_ok(rec) else None), projector
 
 
 def resolve_model(name_or_path: str | None, *, pull: bool = False, confirm: Confirm | None = None,
@@ -292,6 +325,29 @@ def resolve_model(name_or_path: str | None, *, pull: bool = False, confirm: Conf
     size = f" ({entry.size / 2**30:.1f} GiB)" if entry.size else ""
     raise NotDownloaded(f"{name} is not in the model store or the Hugging Face cache",
                         hint=f"kvmem pull {name}{size}", name=name, alias=alias)
+
+
+def vision_projector(resolved: ResolvedModel, choice: str) -> tuple[Path | None, str | None]:
+    """(the projector file to load, a note): `choice` is a path, `none`, or empty for the one the model's
+    catalog entry names (loaded when pulled; a note says how to get it when not)."""
+    if choice.lower() == "none":
+        return None, None
+    if choice:
+        path = Path(choice).expanduser()
+        if not path.is_file():
+            raise KvmemError(f"no such vision projector file: {path}", hint="--mmproj FILE (an mmproj .gguf) or none")
+        kind = check_gguf(path).get("general.type")
+        if kind not in (None, "mmproj"):
+            raise KvmemError(f"{path} is a {kind} GGUF, not a vision projector (general.type mmproj)",
+                             hint="the projector file is usually called mmproj-*.gguf, next to the model's files")
+        return path.resolve(), None
+    rec, entry = projector_record(resolved)
+    if rec is not None:
+        return Path(rec.path), f"vision: {rec.file.name} (images in requests; --mmproj none leaves it out)"
+    if entry is not None:
+        return None, (f"vision is off: the projector of {resolved.name} is not pulled; `kvmem pull {resolved.name}` "
+                      "fetches it")
+    return None, None
 
 
 class NotDownloaded(KvmemError):

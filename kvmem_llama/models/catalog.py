@@ -45,6 +45,9 @@ class CatalogEntry:
     mtp: bool = False
     shipped: str | None = None
     profiles: tuple[dict[str, Any], ...] = ()
+    # the vision projector (mmproj) that goes with the model: a file name or globs in the same repo, and its sha256
+    mmproj: tuple[str, ...] = ()
+    mmproj_sha256: str | None = None
     origin: str = "package"  # "package" or the user catalog path
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -59,6 +62,16 @@ class CatalogEntry:
         fitting = [p for p in self.profiles if float(p.get("min_vram_gib", 0)) <= vram_gib]
         return dict(max(fitting, key=lambda p: float(p.get("min_vram_gib", 0)))) if fitting else None
 
+    def projector(self) -> CatalogEntry | None:
+        """The entry of the model's vision projector (pulled with the model, recorded as ALIAS:mmproj), if any."""
+        if not self.mmproj or not self.repo:
+            return None
+        exact = len(self.mmproj) == 1 and not any(c in self.mmproj[0] for c in "*?[")
+        return CatalogEntry(alias=f"{self.alias}:mmproj", description=f"vision projector of {self.alias}",
+                            repo=self.repo, file=self.mmproj[0] if exact else None,
+                            quant=() if exact else self.mmproj, revision=self.revision, sha256=self.mmproj_sha256,
+                            origin=self.origin)
+
     def matches_file(self, filename: str) -> bool:
         if self.file:
             return filename == self.file
@@ -70,7 +83,8 @@ class CatalogEntry:
             "alias": self.alias, "description": self.description, "repo": self.repo, "file": self.file,
             "quant": list(self.quant), "revision": self.revision, "size": self.size, "sha256": self.sha256,
             "arch": self.arch, "native_ctx": self.native_ctx, "mtp": self.mtp, "shipped": self.shipped,
-            "profiles": [dict(p) for p in self.profiles], "origin": self.origin,
+            "profiles": [dict(p) for p in self.profiles], "mmproj": list(self.mmproj),
+            "mmproj_sha256": self.mmproj_sha256, "origin": self.origin,
         }
 
 
@@ -96,27 +110,33 @@ def check_alias(alias: str, where: str = "") -> str:
 def _entry(alias: str, raw: dict[str, Any], origin: str) -> CatalogEntry:
     check_alias(alias, f"catalog {origin}: ")
     known = {"description", "repo", "file", "quant", "revision", "size", "sha256", "arch", "native_ctx", "mtp",
-             "shipped", "profiles"}
+             "shipped", "profiles", "mmproj", "mmproj_sha256"}
     quant = raw.get("quant") or ()
     if isinstance(quant, str):
         quant = (quant,)
-    sha = raw.get("sha256")
-    if sha is not None and not SHA256_RE.match(str(sha).lower()):
-        raise KvmemError(f"catalog {origin}: {alias}: sha256 must be 64 hex digits")
+    mmproj = raw.get("mmproj") or ()
+    if isinstance(mmproj, str):
+        mmproj = (mmproj,)
+    sha, mmproj_sha = raw.get("sha256"), raw.get("mmproj_sha256")
+    for key, value in (("sha256", sha), ("mmproj_sha256", mmproj_sha)):
+        if value is not None and not SHA256_RE.match(str(value).lower()):
+            raise KvmemError(f"catalog {origin}: {alias}: {key} must be 64 hex digits")
     entry = CatalogEntry(
         alias=alias, description=str(raw.get("description", "")), repo=raw.get("repo"), file=raw.get("file"),
         quant=tuple(quant), revision=str(raw.get("revision") or "main"), size=raw.get("size"),
         sha256=sha.lower() if sha else None, arch=raw.get("arch"), native_ctx=raw.get("native_ctx"),
         mtp=bool(raw.get("mtp", False)), shipped=raw.get("shipped"),
-        profiles=tuple(dict(p) for p in raw.get("profiles", ())), origin=origin,
+        profiles=tuple(dict(p) for p in raw.get("profiles", ())), mmproj=tuple(mmproj),
+        mmproj_sha256=mmproj_sha.lower() if mmproj_sha else None, origin=origin,
         extra={k: v for k, v in raw.items() if k not in known},
     )
     if not entry.shipped:
         if not entry.repo or not (entry.file or entry.quant):
             raise KvmemError(f"catalog {origin}: {alias} needs `repo` and `file` (or `quant` globs), or `shipped`")
         validate_repo_file(entry.repo, entry.file or "x.gguf")
-        if entry.file:
-            validate_repo_file(entry.repo, entry.file)
+        for name in (entry.file, *entry.mmproj):
+            if name:
+                validate_repo_file(entry.repo, name)
         if not REVISION_RE.match(entry.revision) or ".." in entry.revision:
             raise KvmemError(f"catalog {origin}: {alias}: invalid revision {entry.revision!r}")
     return entry

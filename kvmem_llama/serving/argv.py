@@ -36,9 +36,9 @@ FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
     ("--presence-penalty",), ("--spec-type",), ("--strict-model-id",), ("--rpc",),
     ("--kvmem-budget",), ("--kvmem-block",), ("--kvmem-gen-reserve",), ("--kvmem-host-mib",),
     ("--kvmem-sink",), ("--kvmem-recent",), ("--kvmem-refresh",), ("--kvmem-method",),
-    ("--kvmem-disk-path",), ("--kvmem-disk-mib",),
+    ("--kvmem-disk-path",), ("--kvmem-disk-mib",), ("-mm", "--mmproj"), ("--no-mmproj-offload",),
 )
-SWITCHES = {"--strict-model-id", "--kvmem-lazy-restore"}  # flags of ours that take no value
+SWITCHES = {"--strict-model-id", "--kvmem-lazy-restore", "--no-mmproj-offload"}  # flags we read that take no value
 _GROUP_OF = {flag: group[0] for group in FLAG_GROUPS for flag in group}
 _GROUP_KEYS = {group[0] for group in FLAG_GROUPS}
 

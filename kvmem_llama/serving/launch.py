@@ -22,7 +22,7 @@ import httpx
 from kvmem_llama import hardware, paths, planner
 from kvmem_llama.engine import Engine, select_engine
 from kvmem_llama.errors import KvmemError
-from kvmem_llama.models import ResolvedModel, resolve_model
+from kvmem_llama.models import ResolvedModel, resolve_model, vision_projector
 from kvmem_llama.models.gguf_info import model_info
 from kvmem_llama.serving import argv, readiness, registry, sessions
 from kvmem_llama.serving.process import LOOPBACK, ServerProcess, free_port, port_in_use
@@ -66,6 +66,7 @@ class LaunchPlan:
     tiering: bool
     self_test: bool
     notes: list[str]
+    mmproj: Path | None = None  # the vision projector the server loads
 
 
 def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: int | None = None,
@@ -73,10 +74,12 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
             ctk: str | None = None, ctv: str | None = None, engine: str | None = None,
             rpc: str | None = None, hw: hardware.Hardware | None = None, pull: bool = False,
             confirm: Callable[[str], bool] | None = None, self_test: bool = True,
-            draft_mtp: bool | None = None, keep_sessions: bool = False) -> LaunchPlan:
+            draft_mtp: bool | None = None, keep_sessions: bool = False, mmproj: str | None = None) -> LaunchPlan:
     """Resolve model + engine, plan memory and build the argv: plan < profile < user flags.
 
-    `keep_sessions`: the server saves its slots under the store (serving.sessions) and restores them."""
+    `keep_sessions`: the server saves its slots under the store (serving.sessions) and restores them.
+    `mmproj`: the vision projector, a path or `none` (default: the one the model's catalog entry names, when
+    pulled)."""
     argv.refuse_download_flags(extra_args)
     resolved = resolve_model(model, pull=pull, confirm=confirm)
     hw = hw or hardware.detect()
@@ -92,11 +95,15 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
     if recommended and not (ctk or ctv):  # the catalog's tested KV types for this VRAM tier
         ctk, ctv = recommended.get("ctk"), recommended.get("ctv")
         notes.append(f"catalog profile for {recommended.get('min_vram_gib')}+ GiB: -ctk {ctk} -ctv {ctv}")
-    plan = planner.plan(model_info(resolved.path), plan_hw, ctx=ctx, ctk=ctk, ctv=ctv, draft_mtp=draft_mtp,
-                        label=resolved.name)
-    notes += plan.warnings
     user = list(extra_args)
     given = argv.user_flags(user)
+    projector, note = vision_projector(resolved, str(given.get("-mm") or mmproj or ""))
+    if note:
+        notes.append(note)
+    plan = planner.plan(model_info(resolved.path), plan_hw, ctx=ctx, ctk=ctk, ctv=ctv, draft_mtp=draft_mtp,
+                        label=resolved.name, mmproj_bytes=projector.stat().st_size if projector else 0,
+                        mmproj_offload="--no-mmproj-offload" not in given)
+    notes += plan.warnings
     profile, tiering, budget, why = argv.decide_tiering(plan.profile, help_text, given)
     notes += why
     host = str(given.get("--host") or host)
@@ -112,6 +119,8 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
         ours.append("--strict-model-id")
     if rpc:
         ours += ["--rpc", rpc]
+    if projector is not None:
+        ours += ["--mmproj", str(projector)]
     if tiering and argv.supports(help_text, "--kvmem-disk-path"):  # the user's --kvmem-disk-* replace these
         disk_dir = paths.kv_disk_dir()
         disk_dir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +149,7 @@ def prepare(model: str | None = None, *, extra_args: Sequence[str] = (), ctx: in
     if run_ctx == 0:
         run_ctx = None  # "0 = from the model": take what the server reports
     return LaunchPlan(resolved, chosen, hw, plan, command, host, port_num, model_id, run_ctx, budget, tiering,
-                      self_test and tiering and budget > 0, notes)
+                      self_test and tiering and budget > 0, notes, projector)
 
 
 @dataclass
