@@ -17,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import re
-import subprocess
 import time
 from pathlib import Path
 
@@ -255,42 +254,39 @@ def test_5_hybrid_turns_in_one_multi_sequence_batch_are_each_recomputed(llama_se
     assert staged <= recomputed, (staged, recomputed)
 
 
-# ---------------------------------------------------------------- 6. multimodal input is refused, not clogged
+# ---------------------------------------------------------------- 6. an image is held whole, or refused up front
+#
+# (images end to end, through mtmd and the server: tests/test_vision.py)
 
-def test_6_an_mmproj_disables_tiering_with_a_reason(cpu_engine: Engine, smollm2, tmp_path: Path) -> None:
-    """With --mmproj the server says DISABLED (images share M-RoPE positions) before it loads the projector
-    (here a file that is not one, so the server then stops: the order is what is checked)."""
-    bogus = tmp_path / "not-an-mmproj.gguf"
-    bogus.write_bytes(smollm2.read_bytes()[:1 << 20])
-    proc = subprocess.run([str(cpu_engine.server), "-m", str(smollm2), "--mmproj", str(bogus), "--port", "0",
-                           "--kvmem-budget", "1024"], capture_output=True, text=True, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert "kvmem_score: DISABLED (a multimodal projector (--mmproj) is loaded" in out, out[-2000:]
+def _decode_embeddings(llm, p0: int, n: int) -> int:
+    """An embedding batch (an image's tokens, as mtmd decodes them) of n tokens from position p0 on sequence 0."""
+    lib = llm._lib
+    n_embd = lib.llama_model_n_embd(llm._model)
+    batch = lib.llama_batch_init(n, n_embd, 1)
+    try:
+        batch.n_tokens = n
+        for i in range(n):
+            batch.pos[i] = p0 + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = False
+        for j in range(n * n_embd):
+            batch.embd[j] = 0.01
+        return lib.llama_decode(llm._ctx, batch)
+    finally:
+        lib.llama_batch_free(batch)
 
 
-def test_6_an_embedding_batch_on_a_tiered_context_is_an_error(cpu_engine: Engine, smollm2) -> None:
+def test_6_embeddings_on_a_tiered_context_are_read_or_refused_with_the_budget(cpu_engine: Engine, smollm2) -> None:
     from kvmem_llama.binding import KvmemConfig, Llama
 
-    with Llama.load(smollm2, n_ctx=2048, libllama=cpu_engine.libllama, kvmem=KvmemConfig(budget=1024)) as llm:
-        lib = llm._lib
-        n_embd = lib.llama_model_n_embd(llm._model)
-        batch = lib.llama_batch_init(4, n_embd, 1)
-        try:
-            batch.n_tokens = 4
-            for i in range(4):
-                batch.pos[i] = i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = i == 3
-            for j in range(4 * n_embd):
-                batch.embd[j] = 0.01
-            rc = lib.llama_decode(llm._ctx, batch)
-        finally:
-            lib.llama_batch_free(batch)
-        assert rc != 0
-        assert "does not support embedding" in llm.kvmem_last_error()
-        # the context is still usable for text
-        llm.decode(llm.tokenize("The capital of France is"))
+    with Llama.load(smollm2, n_ctx=4096, libllama=cpu_engine.libllama, kvmem=KvmemConfig(budget=1024)) as llm:
+        assert _decode_embeddings(llm, 0, 16) == 0  # a small image fits next to the sequence's floor
+        assert _decode_embeddings(llm, 16, 1000) != 0  # this one cannot: the error names the budget it needs
+        error = llm.kvmem_last_error()
+        assert re.search(r"an image of 1000 tokens does not fit .* needs --kvmem-budget \d+ or more", error), error
+        # the context goes on with text after the image it holds
+        llm.decode(llm.tokenize(" The capital of France is"))
 
 
 # ---------------------------------------------------------------- 7. speculation never changes greedy text
