@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -187,12 +188,12 @@ def test_a_long_tiered_conversation_keeps_its_image_and_goes_on(llama_server, qw
     text around it moves to the host pool; the answer and a follow-up turn (with the image in the history) run."""
     first = image_prompt(essay(60), png(128, 128, seed=2), essay(200) + " What was in the picture?")
     with llama_server(qwen35["plain"], ["--mmproj", str(mmproj), "-c", "8192", "-np", "1",
-                                        "--kvmem-budget", "1024"]) as srv:
+                                        "--kvmem-budget", "1024", "--kvmem-refresh", "16"]) as srv:
         cli = client(srv.url)
         answer = ask(cli, first)
         history = [{"role": "user", "content": first},
                    {"role": "assistant", "content": answer.choices[0].message.content}]
-        again = ask(cli, [{"type": "text", "text": "And its colours?"}], history)
+        again = ask(cli, [{"type": "text", "text": "And its colours?"}], history, n=64)
         slot = httpx.get(srv.url + "/slots", timeout=10, trust_env=False).json()[0]
         log = srv.log()
     assert answer.usage.prompt_tokens > 3 * 1024
@@ -204,6 +205,11 @@ def test_a_long_tiered_conversation_keeps_its_image_and_goes_on(llama_server, qw
     assert len(turns) >= 2 and all(e["n_blocks"] > e["budget_blocks"] for e in turns)  # history beyond the budget
     # the image (4x4 tokens after the 2x2 merge) is held whole at both turns, never scored or evicted
     assert all(int(e["pinned"]) >= PRESETS["tiny"].n_image_tokens(128, 128) for e in turns), turns
+    # while the answer is generated the image's cells are counted: re-selections come every --kvmem-refresh
+    # tokens, not at every token for want of room
+    during = [e for e in kvmem_log.selects(log.splitlines()) if e["reason"] in ("refresh", "room")]
+    assert len(during) >= 2, during
+    assert all(b["pos"] - a["pos"] >= 8 for a, b in pairwise(during) if b["pos"] > a["pos"]), during
 
 
 @pytest.mark.engine
