@@ -85,6 +85,15 @@ def _tokens(url: str, text: str) -> list[int]:
     return httpx.post(f"{url}/tokenize", json={"content": text}, timeout=60).json()["tokens"]
 
 
+def _log_with(server, text: str, deadline_s: float = 30.0) -> str:
+    """The server's log once it holds `text` (it may answer a request before its log line is flushed), or as it
+    is at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while text not in (log := server.log()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return log
+
+
 def _wait_dead(pid: int, deadline_s: float = 60.0) -> None:
     """Until the process is gone or a zombie (its parent, the monitor, may not have reaped it yet)."""
     deadline = time.monotonic() + deadline_s
@@ -146,7 +155,7 @@ def test_a_slot_file_that_does_not_fit_is_refused_and_the_server_goes_on(llama_s
     with llama_server(smollm2, other_block) as srv:
         assert _slot(srv.url, "restore", "cut.bin").status_code != 200
         assert _slot(srv.url, "restore", "whole.bin").status_code != 200
-        assert "saved with another layout" in srv.log()
+        assert "saved with another layout" in _log_with(srv, "saved with another layout")
         assert complete(srv.url, "The capital of France is", n_predict=4)["tokens_predicted"] > 0
     assert (slots / "whole.bin").read_bytes() == whole  # a refused restore leaves the file as it was
 
@@ -162,7 +171,8 @@ def test_a_save_that_does_not_fit_on_the_disk_keeps_the_previous_file(llama_serv
         complete(srv.url, essay(150), n_predict=4, cache_prompt=True)  # ~40 MB of state: more than the disk
         failed = _slot(srv.url, "save", "s.bin")
         assert failed.status_code != 200 and "Unable to save slot" in failed.text
-        assert "No space left on device (the previous file is unchanged)" in srv.log()
+        full = "No space left on device (the previous file is unchanged)"
+        assert full in _log_with(srv, full)
         assert (disk / "s.bin").read_bytes() == before
         assert sorted(p.name for p in disk.iterdir()) == ["s.bin"]
         assert complete(srv.url, "The capital of France is", n_predict=4)["tokens_predicted"] > 0
@@ -291,7 +301,7 @@ def test_a_hybrid_model_slot_resumes_with_its_recurrent_state(llama_server, qwen
     other = synth.synthesize(tmp_path / "q35-other.gguf", "qwen35", "tiny", quant="q4_k", seed=2).path
     with llama_server(other, args) as third:
         refused = _slot(third.url, "restore", "q.bin")
-        said = third.log()
+        said = _log_with(third, "saved with another layout")
     assert refused.status_code != 200
     assert "saved with another layout" in said and "weights" in said, said[-2000:]
 
