@@ -38,6 +38,7 @@ That is 26.9 B parameters in 851 tensors (27.3 B / 866 with the MTP block); in Q
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -573,8 +574,6 @@ def write_synthetic(plan: SynthPlan, out: str | Path, *, seed: int = 0, preset: 
 
     zero_weights: the tensor data is left as a hole of zeros (a sparse file): a well-formed GGUF of the
     real size and header that takes no disk and no time, for header and planning tests, not for running."""
-    from gguf import GGUFWriter
-
     out = Path(out)
     if out.exists() and not force:
         raise KvmemError(f"{out} already exists", hint="pass --force to overwrite it")
@@ -584,43 +583,57 @@ def write_synthetic(plan: SynthPlan, out: str | Path, *, seed: int = 0, preset: 
     if plan.n_vocab != max(tok.n_vocab, plan.shape.vocab_size or 0):
         plan = make_plan(plan.shape, plan.quant, n_vocab=max(tok.n_vocab, plan.shape.vocab_size or 0))
     total = plan.data_bytes
-    part = out.with_name(out.name + ".part")
     t0 = time.monotonic()
-    writer = GGUFWriter(part, plan.shape.arch)
-    try:
+    with writing_gguf(out, plan.shape.arch) as writer:
         _add_metadata(writer, plan, tok, seed, preset)
         fout = begin_tensor_data(writer, [(t.name, t.ne, t.nbytes, _gguf_type(t.qtype)) for t in plan.tensors])
         if zero_weights:
             fout.flush()
             fout.truncate(fout.tell() + total)
-            writer.close()
-            os.replace(part, out)
-            return SynthResult(out, plan, out.stat().st_size, time.monotonic() - t0)
-        done = 0
-        tensor_seeds = np.random.SeedSequence(seed).spawn(len(plan.tensors))  # per tensor: order-free
-        jobs = ((spec, job) for spec, ss in zip(plan.tensors, tensor_seeds, strict=True)
-                for job in _chunk_jobs(spec, ss, CHUNK_BYTES))
-        written: dict[str, int] = {}
-        current: TensorSpec | None = None
-        for spec, chunk in _ordered_results(jobs, threads or default_threads()):
-            if spec is not current:
-                if current is not None:
-                    done += _finish_tensor(writer, fout, current, written.get(current.name, 0))
-                current = spec
-            chunk.tofile(fout)
-            written[spec.name] = written.get(spec.name, 0) + chunk.nbytes
-            done += chunk.nbytes
-            if progress:
-                progress(done, total, spec.name)
-        if current is not None:
-            _finish_tensor(writer, fout, current, written.get(current.name, 0))
-        writer.close()
-        os.replace(part, out)
+        else:
+            _write_tensors(writer, fout, plan, seed, threads, progress)
+    return SynthResult(out, plan, out.stat().st_size, time.monotonic() - t0)
+
+
+def _write_tensors(writer, fout, plan: SynthPlan, seed: int, threads: int | None,
+                   progress: ProgressFn | None) -> None:
+    """The tensors' random data, generated in chunks on threads and written in plan order."""
+    total, done = plan.data_bytes, 0
+    tensor_seeds = np.random.SeedSequence(seed).spawn(len(plan.tensors))  # per tensor: order-free
+    jobs = ((spec, job) for spec, ss in zip(plan.tensors, tensor_seeds, strict=True)
+            for job in _chunk_jobs(spec, ss, CHUNK_BYTES))
+    written: dict[str, int] = {}
+    current: TensorSpec | None = None
+    for spec, chunk in _ordered_results(jobs, threads or default_threads()):
+        if spec is not current:
+            if current is not None:
+                done += _finish_tensor(writer, fout, current, written.get(current.name, 0))
+            current = spec
+        chunk.tofile(fout)
+        written[spec.name] = written.get(spec.name, 0) + chunk.nbytes
+        done += chunk.nbytes
+        if progress:
+            progress(done, total, spec.name)
+    if current is not None:
+        _finish_tensor(writer, fout, current, written.get(current.name, 0))
+
+
+@contextlib.contextmanager
+def writing_gguf(out: Path, arch: str) -> Iterator[Any]:
+    """A GGUFWriter on OUT.part that becomes OUT when the block ends (an interrupt or error removes the part:
+    no broken GGUF is left behind)."""
+    from gguf import GGUFWriter
+
+    part = out.with_name(out.name + ".part")
+    writer = GGUFWriter(part, arch)
+    try:
+        yield writer
     except BaseException:
         writer.close()
         part.unlink(missing_ok=True)
         raise
-    return SynthResult(out, plan, out.stat().st_size, time.monotonic() - t0)
+    writer.close()
+    os.replace(part, out)
 
 
 def _finish_tensor(writer, fout, spec: TensorSpec, written: int) -> int:

@@ -41,14 +41,13 @@ with `deepstack_visual_indexes = []`); about 0.46 B parameters, ~0.9 GB in F16.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvmem_llama.errors import KvmemError
-from kvmem_llama.synth import begin_tensor_data
+from kvmem_llama.synth import begin_tensor_data, writing_gguf
 
 PROJECTOR_TYPE = "qwen3vl_merger"  # PROJECTOR_TYPE_QWEN3VL in clip-impl.h
 F32, F16 = 0, 1  # ggml type ids
@@ -218,7 +217,7 @@ def synthesize_mmproj(out: str | Path, *, text_n_embd: int, preset: str = "tiny"
                       force: bool = False) -> Path:
     """Write a synthetic qwen3vl_merger projector for a text model of hidden size TEXT_N_EMBD to OUT (via
     OUT.part, renamed when complete). The bytes depend on the preset, text_n_embd and seed only."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType
 
     if preset not in PRESETS:
         raise KvmemError(f"unknown vision preset {preset!r}", hint=f"one of: {', '.join(PRESETS)}")
@@ -231,9 +230,7 @@ def synthesize_mmproj(out: str | Path, *, text_n_embd: int, preset: str = "tiny"
         raise KvmemError(f"directory {out.parent} does not exist")
     shape = PRESETS[preset]
     plan = make_vision_plan(shape, text_n_embd)
-    part = out.with_name(out.name + ".part")
-    writer = GGUFWriter(part, "clip")
-    try:
+    with writing_gguf(out, "clip") as writer:
         _metadata(writer, shape, text_n_embd, preset, seed)
         fout = begin_tensor_data(writer, [(t.name, t.ne, t.nbytes, GGMLQuantizationType(t.qtype)) for t in plan])
         for spec, ss in zip(plan, np.random.SeedSequence(seed).spawn(len(plan)), strict=True):
@@ -242,10 +239,4 @@ def synthesize_mmproj(out: str | Path, *, text_n_embd: int, preset: str = "tiny"
                 raise RuntimeError(f"{spec.name}: {data.nbytes} bytes, expected {spec.nbytes}")
             data.tofile(fout)
             writer.write_padding(fout, data.nbytes)
-        writer.close()
-        os.replace(part, out)
-    except BaseException:
-        writer.close()
-        part.unlink(missing_ok=True)
-        raise
     return out
