@@ -270,6 +270,9 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
         warnings.append(f"the vision projector ({vision_gpu / GiB:.2f} GiB) takes the room of "
                         f"{vision_gpu // ws_per_token:,} working-set tokens; -- --no-mmproj-offload keeps it in RAM "
                         "(images then encode on the CPU: seconds each instead of milliseconds)")
+    vision_rows = [] if not mmproj_bytes else [
+        ("vision projector", vision_gpu, "weights; its compute buffer grows with the image size") if vision_gpu
+        else ("vision projector", 0, "in RAM (--no-mmproj-offload)")]
     ledger = [
         ("VRAM", vram, f"{gpu.name}" + ("" if gpu.detected else " (given)")),
         ("weights on GPU", trunk if ngl is None else trunk * ngl // max(1, info.n_layers), label),
@@ -277,8 +280,7 @@ def plan(info: ModelInfo, hw: Hardware, *, ctx: int | None = None, ctk: str | No
         ("runtime overhead", GPU_OVERHEAD, "CUDA context, workspace"),
         ("KV working set", kv_gpu, f"{(budget + reserve) if budget else ctx} tokens x {ws_per_token} B ({w_k}/{w_v})"),
         ("MTP draft", mtp_cost, "head weights + its KV" if use_mtp else "off"),
-        *([("vision projector", vision_gpu, "weights; its compute buffer grows with the image size")]
-          if vision_gpu else [("vision projector", 0, "in RAM (--no-mmproj-offload)")] if mmproj_bytes else []),
+        *vision_rows,
         ("block summaries", summaries, "tiering off" if not budget else
          f"{ctx} tokens x {info.summary_bytes_per_token} B (f16 8-token key means), scored on the GPU; "
          "with the scoring scratch and the staging buffer"
