@@ -65,6 +65,17 @@ def test_qwen35_small_budget_long_prompt_selects_and_second_turn_reuses(llama_se
     for s in sel:
         assert 0 <= s["stage_wait_ms"] <= s["stage_ms"], s
         assert s["gather_ms"] + s["score_ms"] + s["plan_ms"] + s["stage_ms"] <= s["ms"] + 0.01, s
+    # each turn's last batch says where its time went, all within the batch's time
+    turns = [e for e in kvmem_log.iter_events(log) if e["event"] == "TURN"]
+    assert len(turns) == 2, turns
+    for t in turns:
+        assert t["snapshots"] >= 1 and t["segments"] >= 1, t
+        assert t["snapshot_ms"] + t["restore_ms"] + t["recompute_ms"] <= t["ms"] + 0.01, t
+    # llama-server decodes a hybrid prompt's last 4 tokens on their own: the batch before them snapshotted the
+    # recurrent state where the question starts, so the turn recomputes its question (128 query tokens + those 4),
+    # not that whole batch (~500 tokens)
+    first_turn = turns[0]
+    assert first_turn["tokens"] == 4 and 0 < first_turn["recompute_tokens"] <= 128 + 4, first_turn
 
 
 def test_multi_turn_reuse_on_a_plain_attention_model(llama_server, smollm2) -> None:

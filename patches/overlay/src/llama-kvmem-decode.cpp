@@ -42,13 +42,15 @@ enum class kvmem_plan_status : uint8_t { OK, UNTRACKED, REFUSED };
 
 class kvmem_decoder {
 public:
-    kvmem_decoder(llama_context & ctx, llama_kvmem_cache & km, const llama_batch_ext & batch, bool one_pass) :
-        ctx(ctx), km(km), batch(batch), n(batch.tokens.size()), one_pass(one_pass), acc(batch.tokens.size()) {}
+    kvmem_decoder(llama_context & ctx, ggml_backend_sched_t sched, llama_kvmem_cache & km, const llama_batch_ext & batch,
+            bool one_pass) :
+        ctx(ctx), sched(sched), km(km), batch(batch), n(batch.tokens.size()), one_pass(one_pass), acc(batch.tokens.size()) {}
 
     int run();
 
 private:
     llama_context & ctx;
+    ggml_backend_sched_t sched; // the recurrent snapshots' copies go on its backends' streams
     llama_kvmem_cache & km;
     const llama_batch_ext & batch;
     const size_t n;
@@ -63,6 +65,15 @@ private:
 
     kvmem_assembled_outputs acc;
     size_t start = 0; // first token not decoded yet
+
+    // where a turn's time goes (the TURN line): the host's own waits, not the device's queued work
+    struct {
+        int64_t t0 = 0, snapshot_us = 0, restore_us = 0, recompute_us = 0;
+        uint32_t segments = 0, snapshots = 0, turns = 0;
+        size_t recompute_tokens = 0;
+    } clock;
+    void take_snapshot(llama_seq_id s, llama_pos pos);
+    void log_turn() const;
 
     kvmem_plan_status plan_parts();
     void begin_parts();
@@ -119,7 +130,7 @@ void kvmem_decoder::begin_parts() {
         // hybrid models: the recurrent state before this prompt batch, so that the turn's query span can be
         // recomputed after the selection
         if (hybrid && !one_pass) {
-            llama_kvmem_snapshot_recurrent(&km, s, p.p0);
+            take_snapshot(s, p.p0);
         }
     }
 }
@@ -133,8 +144,14 @@ void kvmem_decoder::plan_single_cuts() {
     llama_pos next = gen ? km.event_pos(single) : km.prefill_pos(single);
     const kvmem_reason reason = gen ? km.event_reason(single) : kvmem_reason::PREFILL;
     llama_pos q0 = -1, q1 = -1;
+    const llama_pos end = batch.tokens[p.last].pos[0] + 1;
     if (hybrid && p.kind == kvmem_batch_kind::TURN) {
-        km.turn_query_span(single, batch.tokens[p.last].pos[0] + 1, q0, q1); // the prompt ends with this batch
+        km.turn_query_span(single, end, q0, q1); // the prompt ends with this batch
+    } else if (hybrid && p.kind == kvmem_batch_kind::PROMPT) {
+        // the prompt may end a few tokens after this batch (llama-server decodes a hybrid model's last 4 prompt
+        // tokens on their own, for its checkpoint), and then its question starts in this batch: a snapshot where it
+        // would start keeps the turn's recompute to the question instead of this whole batch
+        km.turn_query_span(single, std::max(end, km.hinted_prompt_end(single)), q0, q1);
     }
     for (size_t i = 0; i < n; ++i) {
         const llama_pos pos = batch.tokens[i].pos[0];
@@ -180,6 +197,7 @@ int kvmem_decoder::run_segment(size_t end) {
         seg.tokens.assign(batch.tokens.begin() + start, batch.tokens.begin() + end);
     }
     const int ret = ctx.decode_impl(seg);
+    clock.segments++;
     if (ret == 0 && (!whole || !cuts.empty())) {
         std::vector<int64_t> index(end - start);
         for (size_t j = 0; j < index.size(); ++j) {
@@ -199,7 +217,7 @@ int kvmem_decoder::run_cuts() {
         }
         switch (c.kind) {
             case kvmem_cut_kind::SEGMENT:  break;
-            case kvmem_cut_kind::SNAPSHOT: llama_kvmem_snapshot_recurrent(&km, single, batch.tokens[c.at].pos[0]); break;
+            case kvmem_cut_kind::SNAPSHOT: take_snapshot(single, batch.tokens[c.at].pos[0]); break;
             case kvmem_cut_kind::SELECT:   km.select(single, c.reason); break;
         }
     }
@@ -253,14 +271,22 @@ int kvmem_decoder::recompute_turns() {
     // turns: select, then recompute the query span so that it (and the first token's logits) see the picks
     std::map<llama_seq_id, llama_pos> redo;
     for (const auto & [s, p] : parts) {
-        if (p.kind != kvmem_batch_kind::TURN || !km.select(s, kvmem_reason::TURN) || one_pass) {
+        if (p.kind != kvmem_batch_kind::TURN || !km.select(s, kvmem_reason::TURN)) {
+            continue;
+        }
+        clock.turns++;
+        if (one_pass) {
             continue;
         }
         llama_pos q0 = -1, q1 = -1;
         km.turn_query_span(s, batch.tokens[p.last].pos[0] + 1, q0, q1);
         llama_pos from = q0;
-        if (km.recurrent() && !km.snapshot_at(s, q0, &from)) {
-            continue; // no recurrent state to recompute from: the selection applies from the next token
+        if (km.recurrent()) {
+            const kvmem_snapshot * snap = km.snapshot_at(s, q0);
+            if (!snap) {
+                continue; // no recurrent state to recompute from: the selection applies from the next token
+            }
+            from = snap->position();
         }
         if (!km.tokens_from(s, from).empty()) {
             redo[s] = from;
@@ -282,8 +308,9 @@ int kvmem_decoder::recompute_turns() {
     for (const auto & [s, from] : redo) {
         const auto toks = km.tokens_from(s, from);
         if (km.recurrent()) {
-            llama_pos at = -1;
-            llama_kvmem_restore_recurrent(&km, s, *km.snapshot_at(s, from, &at));
+            const int64_t t0 = ggml_time_us();
+            km.snapshot_at(s, from)->restore(sched, *km.recurrent(), s);
+            clock.restore_us += ggml_time_us() - t0;
         }
         km.cut_for_recompute(s, from); // the attention cache only: the recurrent state was put back above
         for (size_t k = 0; k < toks.size(); ++k) {
@@ -300,14 +327,36 @@ int kvmem_decoder::recompute_turns() {
             LLAMA_LOG_WARN("kvmem_trace: recompute seq=%d from=%d\n", s, from);
         }
     }
+    const int64_t t0 = ggml_time_us();
     const int ret = ctx.decode_impl(tail);
     if (ret == 0) {
         ctx.kvmem_collect_outputs(index, acc);
     }
+    clock.recompute_us += ggml_time_us() - t0;
+    clock.recompute_tokens += tail.tokens.size();
     return ret;
 }
 
+void kvmem_decoder::take_snapshot(llama_seq_id s, llama_pos pos) {
+    const int64_t t0 = ggml_time_us();
+    km.take_snapshot(sched, s, pos);
+    clock.snapshot_us += ggml_time_us() - t0;
+    clock.snapshots++;
+}
+
+void kvmem_decoder::log_turn() const {
+    if (clock.turns == 0) {
+        return; // no turn selected in this batch (a warm-up, or tiering has nothing to do)
+    }
+    // the whole batch of a turn (its prompt's last batch: what the first token waits for), next to its SELECT line
+    LLAMA_LOG_WARN("kvmem_score: TURN seq=%d tokens=%zu segments=%u snapshots=%u snapshot_ms=%.3f restore_ms=%.3f "
+            "recompute_tokens=%zu recompute_ms=%.3f ms=%.3f\n", single, n, clock.segments, clock.snapshots,
+            clock.snapshot_us/1e3, clock.restore_us/1e3, clock.recompute_tokens, clock.recompute_us/1e3,
+            (ggml_time_us() - clock.t0)/1e3);
+}
+
 int kvmem_decoder::run() {
+    clock.t0 = ggml_time_us();
     switch (plan_parts()) {
         case kvmem_plan_status::REFUSED:   return -1;
         case kvmem_plan_status::UNTRACKED: return ctx.decode_impl(batch);
@@ -333,6 +382,7 @@ int kvmem_decoder::run() {
     if (ret != 0) {
         return ret;
     }
+    log_turn();
     return acc.any ? (ctx.kvmem_restore_outputs(batch, acc) ? 0 : -2) : 0;
 }
 
@@ -354,7 +404,7 @@ int llama_context::decode(const llama_batch_ext & batch) {
     if (batch.tokens.empty()) {
         return decode_impl(batch);
     }
-    return kvmem_decoder(*this, *km, batch, /*one_pass*/ !sampling.samplers.empty()).run();
+    return kvmem_decoder(*this, sched.get(), *km, batch, /*one_pass*/ !sampling.samplers.empty()).run();
 }
 
 void llama_context::kvmem_after_ubatch(const llm_graph_result * res, const llama_ubatch & ubatch) {

@@ -1,5 +1,5 @@
 // KVMem: hybrid models (kvmem-llama): attention + recurrent layers (qwen35). The attention layers are tiered,
-// the recurrent state is not; its snapshots in host memory let a turn's query span be recomputed.
+// the recurrent state is not; its snapshots (llama-kvmem-snapshot.h) let a turn's query span be recomputed.
 
 #include "llama-kvmem.h"
 
@@ -10,6 +10,7 @@
 #include "llama-memory-hybrid.h"
 #include "llama-memory-recurrent.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -59,61 +60,158 @@ llama_memory_i * llama_kvmem_create_hybrid(const llama_model & model, const llam
 }
 
 //
-// recurrent state snapshots in host memory (one sequence, via the state I/O of the recurrent memory)
+// recurrent state snapshots (llama-kvmem-snapshot.h)
 //
 
-namespace {
+void kvmem_room::reserve(ggml_backend_buffer_type_t host, size_t bytes) {
+    if (host && (!pinned || ggml_backend_buffer_get_type(pinned.get()) != host || size() < bytes)) {
+        pinned.reset(ggml_backend_buft_alloc_buffer(host, bytes));
+    }
+    if (!pinned && plain.size() < bytes) {
+        plain.resize(bytes);
+    }
+}
 
-class kvmem_state_writer : public llama_io_write_i {
+// what state_write writes: its plain bytes go to `meta` at once, its tensors are queued (copied by take())
+class kvmem_snapshot_writer : public llama_io_write_i {
 public:
-    std::vector<uint8_t> buf;
+    struct queued {
+        ggml_tensor * tensor;
+        size_t offset, size;
+    };
+    std::vector<queued> todo;
+
+    explicit kvmem_snapshot_writer(kvmem_snapshot & snap) : snap(snap) {}
 
     void write(const void * src, size_t size) override {
         const auto * p = (const uint8_t *) src;
-        buf.insert(buf.end(), p, p + size);
+        snap.meta.insert(snap.meta.end(), p, p + size);
+        n += size;
     }
     void write_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
-        const size_t o = buf.size();
-        buf.resize(o + size);
-        ggml_backend_tensor_get(tensor, buf.data() + o, offset, size);
+        snap.tensors.emplace_back(snap.meta.size(), size);
+        todo.push_back({ tensor, offset, size });
+        n += size;
     }
-    size_t n_bytes() override { return buf.size(); }
-};
-
-class kvmem_state_reader : public llama_io_read_i {
-public:
-    explicit kvmem_state_reader(const std::vector<uint8_t> & buf) : buf(buf) {}
-
-    void read(void * dst, size_t size) override {
-        take(size);
-        std::memcpy(dst, buf.data() + pos - size, size);
-    }
-    void read_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
-        take(size);
-        ggml_backend_tensor_set(tensor, buf.data() + pos - size, offset, size);
-    }
-    size_t n_bytes() override { return pos; }
+    size_t n_bytes() override { return n; }
 
 private:
-    void take(size_t size) {
-        if (pos + size > buf.size()) {
-            throw std::runtime_error("kvmem: recurrent state snapshot is truncated");
-        }
-        pos += size;
-    }
-    const std::vector<uint8_t> & buf;
-    size_t pos = 0;
+    kvmem_snapshot & snap;
+    size_t n = 0;
 };
 
-} // namespace
+// state_read of a snapshot: plain bytes from `meta`, tensor bytes from the room (or from `meta` for a file's)
+class kvmem_snapshot_reader : public llama_io_read_i {
+public:
+    kvmem_snapshot_reader(const kvmem_snapshot & snap, ggml_backend_sched_t sched, bool pinned) :
+        snap(snap), sched(sched), pinned(pinned) {}
 
-void llama_kvmem_snapshot_recurrent(llama_kvmem_cache * km, llama_seq_id seq_id, llama_pos pos) {
-    kvmem_state_writer w;
-    km->recurrent()->state_write(w, seq_id);
-    km->push_snapshot(seq_id, pos, std::move(w.buf));
+    void read(void * dst, size_t size) override {
+        std::memcpy(dst, take_meta(size), size);
+    }
+    void read_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        if (snap.whole) {
+            ggml_backend_tensor_set(tensor, take_meta(size), offset, size);
+            return;
+        }
+        if (i_tensor >= snap.tensors.size() || snap.tensors[i_tensor] != std::make_pair(at_meta, size)) {
+            throw std::runtime_error("kvmem: a recurrent state snapshot is read in another order than it was written");
+        }
+        const uint8_t * src = snap.room.data() + at_room;
+        ggml_backend_t be = sched ? kvmem_backend_of(sched, tensor) : nullptr;
+        if (be && pinned) {
+            ggml_backend_tensor_set_async(be, tensor, src, offset, size);
+        } else {
+            ggml_backend_tensor_set(tensor, src, offset, size);
+        }
+        i_tensor++;
+        at_room += size;
+        n += size;
+    }
+    size_t n_bytes() override { return n; }
+
+private:
+    const uint8_t * take_meta(size_t size) {
+        if (at_meta + size > snap.meta.size()) {
+            throw std::runtime_error("kvmem: recurrent state snapshot is truncated");
+        }
+        at_meta += size;
+        n += size;
+        return snap.meta.data() + at_meta - size;
+    }
+    const kvmem_snapshot & snap;
+    ggml_backend_sched_t sched;
+    const bool pinned;
+    size_t at_meta = 0, at_room = 0, i_tensor = 0, n = 0;
+};
+
+kvmem_snapshot::kvmem_snapshot(llama_pos pos, std::vector<uint8_t> && written) :
+    pos(pos), meta(std::move(written)), whole(true) {}
+
+// the host buffer type (pinned memory) of the first device that owns one of the tensors; nullptr: none
+static ggml_backend_buffer_type_t kvmem_pinned_type(ggml_backend_sched_t sched,
+        const std::vector<kvmem_snapshot_writer::queued> & todo) {
+    for (const auto & q : todo) {
+        ggml_backend_t be = kvmem_backend_of(sched, q.tensor);
+        ggml_backend_dev_t dev = be ? ggml_backend_get_device(be) : nullptr;
+        ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+        if (host) {
+            return host;
+        }
+    }
+    return nullptr;
 }
 
-void llama_kvmem_restore_recurrent(llama_kvmem_cache * km, llama_seq_id seq_id, const std::vector<uint8_t> & snapshot) {
-    kvmem_state_reader r(snapshot);
-    km->recurrent()->state_read(r, seq_id);
+void kvmem_snapshot::take(ggml_backend_sched_t sched, const llama_memory_recurrent & recr, llama_seq_id seq_id) {
+    meta.clear();
+    tensors.clear();
+    whole = false;
+    kvmem_snapshot_writer w(*this);
+    recr.state_write(w, seq_id);
+    size_t bytes = 0;
+    for (const auto & q : w.todo) {
+        bytes += q.size;
+    }
+    ggml_backend_buffer_type_t host = sched ? kvmem_pinned_type(sched, w.todo) : nullptr;
+    room.reserve(host, bytes);
+    pending.clear();
+    size_t at = 0;
+    for (const auto & q : w.todo) {
+        ggml_backend_t be = host ? kvmem_backend_of(sched, q.tensor) : nullptr;
+        if (be) {
+            ggml_backend_tensor_get_async(be, q.tensor, room.data() + at, q.offset, q.size);
+            if (std::find(pending.begin(), pending.end(), be) == pending.end()) {
+                pending.push_back(be);
+            }
+        } else {
+            ggml_backend_tensor_get(q.tensor, room.data() + at, q.offset, q.size);
+        }
+        at += q.size;
+    }
+}
+
+void kvmem_snapshot::restore(ggml_backend_sched_t sched, llama_memory_recurrent & recr, llama_seq_id seq_id) const {
+    kvmem_snapshot_reader r(*this, sched, room.is_pinned());
+    recr.state_read(r, seq_id);
+}
+
+std::vector<uint8_t> kvmem_snapshot::written() const {
+    if (whole) {
+        return meta;
+    }
+    for (ggml_backend_t be : pending) {
+        ggml_backend_synchronize(be);
+    }
+    pending.clear();
+    std::vector<uint8_t> out;
+    size_t from_meta = 0, from_room = 0;
+    const uint8_t * src = room.data();
+    for (const auto & [at, size] : tensors) {
+        out.insert(out.end(), meta.begin() + from_meta, meta.begin() + at);
+        out.insert(out.end(), src + from_room, src + from_room + size);
+        from_meta = at;
+        from_room += size;
+    }
+    out.insert(out.end(), meta.begin() + from_meta, meta.end());
+    return out;
 }

@@ -83,7 +83,7 @@ void llama_kvmem_cache::remember_tokens(llama_seq_id seq_id, const std::vector<k
     }
     llama_pos keep = st.tokens.back().pos[0] - (llama_pos) (kp.query_tokens + KVMEM_TOKEN_SLACK);
     if (!st.snapshots.empty()) {
-        keep = std::min(keep, st.snapshots.front().first);
+        keep = std::min(keep, st.snapshots.front().position());
     }
     while (!st.tokens.empty() && st.tokens.front().pos[0] < keep) {
         st.tokens.pop_front();
@@ -125,26 +125,38 @@ std::vector<kvmem_prompt_token> llama_kvmem_cache::tokens_from(llama_seq_id seq_
     return out;
 }
 
-void llama_kvmem_cache::push_snapshot(llama_seq_id seq_id, llama_pos pos, std::vector<uint8_t> && data) {
-    auto & snaps = open_seq(seq_id).snapshots;
-    while (!snaps.empty() && snaps.back().first >= pos) {
-        snaps.pop_back();
+void llama_kvmem_cache::take_snapshot(ggml_backend_sched_t sched, llama_seq_id seq_id, llama_pos pos) {
+    GGML_ASSERT(recurrent_mem);
+    kvmem_seq & st = open_seq(seq_id);
+    drop_snapshots_from(st, pos);
+    if (st.snapshots.size() == 2) { // the batch the query span starts in is one of the last two prompt batches
+        spare_rooms.push_back(st.snapshots.front().release_room());
+        st.snapshots.pop_front();
     }
-    snaps.emplace_back(pos, std::move(data));
-    while (snaps.size() > 2) { // the batch the query span starts in is one of the last two prompt batches
-        snaps.pop_front();
+    kvmem_room room;
+    if (!spare_rooms.empty()) {
+        room = std::move(spare_rooms.back());
+        spare_rooms.pop_back();
+    }
+    st.snapshots.emplace_back(pos, std::move(room));
+    st.snapshots.back().take(sched, *recurrent_mem, seq_id);
+}
+
+void llama_kvmem_cache::drop_snapshots_from(kvmem_seq & st, llama_pos pos) {
+    while (!st.snapshots.empty() && st.snapshots.back().position() >= pos) {
+        spare_rooms.push_back(st.snapshots.back().release_room());
+        st.snapshots.pop_back();
     }
 }
 
-const std::vector<uint8_t> * llama_kvmem_cache::snapshot_at(llama_seq_id seq_id, llama_pos pos, llama_pos * at) const {
+const kvmem_snapshot * llama_kvmem_cache::snapshot_at(llama_seq_id seq_id, llama_pos pos) const {
     const kvmem_seq * st = find_seq(seq_id);
     if (!st) {
         return nullptr;
     }
     for (auto s = st->snapshots.rbegin(); s != st->snapshots.rend(); ++s) {
-        if (s->first <= pos) {
-            *at = s->first;
-            return &s->second;
+        if (s->position() <= pos) {
+            return &*s;
         }
     }
     return nullptr;
@@ -173,6 +185,11 @@ void llama_kvmem_cache::turn_query_span(llama_seq_id seq_id, llama_pos end, llam
     if (st && end > 0) {
         p0 = st->query_start(end, kp.query_tokens);
     }
+}
+
+llama_pos llama_kvmem_cache::hinted_prompt_end(llama_seq_id seq_id) const {
+    const kvmem_seq * st = find_seq(seq_id);
+    return st ? st->hint_p1 : -1;
 }
 
 //
@@ -289,9 +306,7 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
     while (!st->tokens.empty() && st->tokens.back().pos[0] >= p0) {
         st->tokens.pop_back();
     }
-    while (!st->snapshots.empty() && st->snapshots.back().first > p0) {
-        st->snapshots.pop_back();
-    }
+    drop_snapshots_from(*st, p0 + 1);
     return ok;
 }
 

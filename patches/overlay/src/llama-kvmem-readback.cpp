@@ -4,8 +4,7 @@
 
 #include <algorithm>
 
-// the scheduler's backend whose device owns t's buffer (it can copy t asynchronously); nullptr: none does
-static ggml_backend_t kvmem_owner(ggml_backend_sched_t sched, const ggml_tensor * t) {
+ggml_backend_t kvmem_backend_of(ggml_backend_sched_t sched, const ggml_tensor * t) {
     ggml_backend_buffer_t buf = t->view_src ? t->view_src->buffer : t->buffer;
     for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
         ggml_backend_t be = ggml_backend_sched_get_backend(sched, i);
@@ -57,7 +56,7 @@ void kvmem_readback::fetch(ggml_backend_sched_t sched) {
         }
         offset[i] = bytes;
         bytes = GGML_PAD(bytes + ggml_nbytes(queued[i]), 64);
-        owner[i] = kvmem_owner(sched, queued[i]);
+        owner[i] = kvmem_backend_of(sched, queued[i]);
     }
     if (bytes == 0) {
         queued.clear();

@@ -14,6 +14,9 @@
 #include <cstdint>
 #include <vector>
 
+// the scheduler's backend whose device owns t's buffer (it can copy t asynchronously); nullptr: none does
+ggml_backend_t kvmem_backend_of(ggml_backend_sched_t sched, const ggml_tensor * t);
+
 class kvmem_readback {
 public:
     kvmem_readback() = default;

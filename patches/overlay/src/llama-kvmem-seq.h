@@ -11,6 +11,7 @@
 #include "llama.h"
 #include "llama-kv-cells.h"
 #include "llama-kvmem-lexical.h"
+#include "llama-kvmem-snapshot.h"
 
 #include <array>
 #include <cstdint>
@@ -132,7 +133,7 @@ public:
     llama_pos next_prefill = -1;        // next selection inside the prompt (retrieval prefill)
 
     std::deque<kvmem_prompt_token> tokens;                    // recent prompt tokens (recompute)
-    std::deque<std::pair<llama_pos, std::vector<uint8_t>>> snapshots; // recurrent states (hybrid models)
+    std::deque<kvmem_snapshot> snapshots;                      // recurrent states (hybrid models)
 
     // one past the last position of embedding input (an image's tokens: no token ids, M-RoPE positions shared by
     // many cells): a turn's query span starts after it, since only token ids can be decoded again

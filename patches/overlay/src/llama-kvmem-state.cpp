@@ -181,9 +181,9 @@ void llama_kvmem_cache::write_seq(llama_io_write_i & io, llama_seq_id seq_id, co
     }
     kvmem_put_vec(io, std::vector<kvmem_prompt_token>(st.tokens.begin(), st.tokens.end()));
     kvmem_put<uint32_t>(io, st.snapshots.size());
-    for (const auto & [p, snapshot] : st.snapshots) {
-        kvmem_put(io, p);
-        kvmem_put_vec(io, snapshot);
+    for (const auto & snapshot : st.snapshots) {
+        kvmem_put(io, snapshot.position());
+        kvmem_put_vec(io, snapshot.written());
     }
 }
 
@@ -371,7 +371,7 @@ void llama_kvmem_cache::read_seq(llama_io_read_i & io, llama_seq_id seq_id) {
     const auto prompt_tokens = kvmem_take_vec<kvmem_prompt_token>(io, kvmem_take_limit);
     st.tokens.assign(prompt_tokens.begin(), prompt_tokens.end());
     for (auto & [p, snapshot] : kvmem_take_map<llama_pos, uint8_t>(io, kvmem_take_limit)) {
-        st.snapshots.emplace_back(p, std::move(snapshot));
+        st.snapshots.emplace_back(p, std::move(snapshot)); // restored from these bytes as they are
     }
     if (summaries) {
         summaries->flush();

@@ -194,9 +194,12 @@ public:
     // batches so that the turn's query span can be recomputed after a selection)
     void attach_recurrent(llama_memory_recurrent * recr) { recurrent_mem = recr; }
     llama_memory_recurrent * recurrent() const { return recurrent_mem; }
-    void push_snapshot(llama_seq_id seq_id, llama_pos pos, std::vector<uint8_t> && data);
-    // the newest snapshot at or before pos (nullptr: none); its position in *at
-    const std::vector<uint8_t> * snapshot_at(llama_seq_id seq_id, llama_pos pos, llama_pos * at) const;
+    // where the application said the prompt's last user message ends (-1: it did not)
+    llama_pos hinted_prompt_end(llama_seq_id seq_id) const;
+    // snapshots the recurrent state of seq_id at pos (the copies queued on sched's backends; the newest two kept)
+    void take_snapshot(ggml_backend_sched_t sched, llama_seq_id seq_id, llama_pos pos);
+    // the newest snapshot at or before pos (nullptr: none)
+    const kvmem_snapshot * snapshot_at(llama_seq_id seq_id, llama_pos pos) const;
 
     // MTP draft contexts: the draft's cache follows the target's selection (same resident blocks)
     bool is_follower() const { return leader != nullptr; }
@@ -230,6 +233,8 @@ private:
     bool app_marks_prompts = false; // the application calls set_query_span at every prompt: only those start turns
 
     llama_memory_recurrent * recurrent_mem = nullptr;
+    std::vector<kvmem_room> spare_rooms; // pinned memory of dropped snapshots, for the next ones
+    void drop_snapshots_from(kvmem_seq & st, llama_pos pos);
 
     llama_kvmem_cache * leader = nullptr;
     std::vector<llama_kvmem_cache *> followers;
@@ -386,10 +391,6 @@ private:
 // split a batch into ubatches that the tiered cache can take (plain memories: split_simple); nullptr if it cannot
 bool llama_kvmem_split(llama_kvmem_cache * km, llama_batch_allocr & balloc, uint32_t n_ubatch,
         const std::function<llama_ubatch(llama_batch_allocr &, uint32_t)> & split, std::vector<llama_ubatch> & out);
-
-// hybrid models: the recurrent state of seq_id (snapshotted at pos, in host memory), and putting it back
-void llama_kvmem_snapshot_recurrent(llama_kvmem_cache * km, llama_seq_id seq_id, llama_pos pos);
-void llama_kvmem_restore_recurrent(llama_kvmem_cache * km, llama_seq_id seq_id, const std::vector<uint8_t> & snapshot);
 
 // outputs of one decode (logits, embeddings, unmasked next-n rows, batch index -> row), kept on the host
 // while the context decodes again, then put back (kvmem recomputes or splits batches)

@@ -1,6 +1,7 @@
-# kvmem-llama: C++ unit tests of the tiering engine's pure parts (no model, no server): the phase machine, the
+# kvmem-llama: C++ unit tests of the tiering engine (no server; one suite loads a small model): the phase machine, the
 # residency rules, the scorers and lexical picks, the selection plan, the undo journal, the host pool, the disk tier, the settings, the
-# device scorer and its query rows, the stager's graphs and the captures' readback (on the CPU backend).
+# device scorer and its query rows, the stager's graphs and the captures' readback (on the CPU backend), and the
+# recurrent snapshots (on a hybrid model named by KVMEM_TEST_MODEL).
 # Built by the CPU engine's build (KVMEM_BUILD_TESTS=ON, included from the top-level CMakeLists.txt), run by ctest;
 # kvmem-llama's tests/test_engine_units.py runs ctest.
 
@@ -17,12 +18,13 @@ add_executable(test-kvmem
     ${CMAKE_CURRENT_LIST_DIR}/test-kvmem-queries.cpp
     ${CMAKE_CURRENT_LIST_DIR}/test-kvmem-stager.cpp
     ${CMAKE_CURRENT_LIST_DIR}/test-kvmem-readback.cpp
+    ${CMAKE_CURRENT_LIST_DIR}/test-kvmem-snapshot.cpp
 )
 target_include_directories(test-kvmem PRIVATE ${PROJECT_SOURCE_DIR}/src)
 target_link_libraries(test-kvmem PRIVATE llama ggml)
 target_compile_features(test-kvmem PRIVATE cxx_std_17)
 
-foreach (suite seq residency score lexical plan journal pool disk params summaries queries stager readback)
+foreach (suite seq residency score lexical plan journal pool disk params summaries queries stager readback snapshot)
     add_test(NAME kvmem-${suite} COMMAND test-kvmem ${suite})
     set_property(TEST kvmem-${suite} PROPERTY LABELS kvmem)
 endforeach()
