@@ -46,7 +46,7 @@ import psutil
 from kvmem_llama import kvmem_log
 from kvmem_llama.errors import KvmemError
 from kvmem_llama.evaluation.records import ServerLog
-from kvmem_llama.kvmem_log import parse_select
+from kvmem_llama.kvmem_log import parse_select, parse_turn
 from kvmem_llama.serving.process import LOOPBACK, ServerProcess, free_port, llama_server_argv
 
 TURN2_TOKENS = 512
@@ -56,7 +56,7 @@ KV_BUFFER = re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB")
 REQUEST_DONE_WAIT_S = 10.0
 REFRESH_REASONS = ("refresh", "room")
 SELECTION_FIELDS = ("select_ms", "refresh_ms", "staged_in_blocks", "stage_ms", "stage_in_gbps", "prompt_select_ms",
-                    "score_ms", "capture_ms", "refresh_capture_ms", "phases")
+                    "score_ms", "capture_ms", "refresh_capture_ms", "phases", "turns")
 # a selection's time by part, for engines that say (SELECT's plan_ms and the graph scorer's phases)
 PHASE_FIELDS = ("reason", "ms", "stage_ms", "score_ms", "plan_ms", "score_steps", "score_build_ms", "score_upload_ms",
                 "score_compute_ms", "gather_ms", "stage_wait_ms")
@@ -84,6 +84,7 @@ class BenchResult:
     prefill_shared: bool = False  # True: one prefill served several repeats, prefill_tps is not this repeat's own
     turn2_prompt_tokens: int = 0  # prompt tokens turn 2 read (timings.prompt_n): ~512 when the prefix was reused
     turn2_cached_tokens: int = 0  # prompt tokens taken from the server's prompt cache (timings.cache_n)
+    turn2_prompt_ms: float | None = None  # turn 2's time to its first token (timings.prompt_ms)
     select_ms: list[float] = field(default_factory=list)  # turn 2's selections at the end of its prompt (reason=turn)
     refresh_ms: list[float] = field(default_factory=list)  # re-selections during generation (refresh, room)
     staged_in_blocks: list[int] = field(default_factory=list)  # of each turn selection
@@ -96,6 +97,7 @@ class BenchResult:
     capture_ms: list[float] = field(default_factory=list)
     refresh_capture_ms: list[float] = field(default_factory=list)
     phases: list[dict] = field(default_factory=list)  # every selection's PHASE_FIELDS, turns and re-selections
+    turns: list[dict] = field(default_factory=list)  # TURN lines: where each prompt's last batch spent its time
     # turn 1's selections (shared, like prefill_tps): select_ms, refresh_ms, staged_in_blocks, stage_ms,
     # stage_in_gbps, prompt_select_ms, as above
     turn1: dict = field(default_factory=dict)
@@ -177,6 +179,10 @@ def record_selections(text: str, result: BenchResult, block_bytes: int) -> None:
     refresh_ms, prefill into prompt_select_ms, turn (or an engine that names no reason) into select_ms
     with its stage-in. A `fits=1` line (the history fits, nothing selected) is a selection of 0 ms."""
     for line in text.splitlines():
+        turn = parse_turn(line)
+        if turn is not None:
+            result.turns.append({key: value for key, value in turn.items() if key != "event"})
+            continue
         select = parse_select(line)
         if select is None:
             continue
@@ -288,6 +294,7 @@ def run_cell(server: Path, model: Path, config: str, context: int, server_args: 
                         result.decode_tps = float(timings["predicted_per_second"])
                         result.decode_tokens = int(timings["predicted_n"])
                         result.turn2_prompt_tps = float(timings["prompt_per_second"])
+                        result.turn2_prompt_ms = float(timings["prompt_ms"])
                         result.turn2_prompt_tokens = int(timings.get("prompt_n", 0))
                         result.turn2_cached_tokens = int(timings.get("cache_n", 0))
                     except (KvmemError, httpx.HTTPError, KeyError, ValueError) as exc:
@@ -360,6 +367,11 @@ def cells(rows: list[dict]) -> list[dict]:
             read = [r["turn2_prompt_tokens"] for r in ok if r.get("turn2_prompt_tokens")]
             cell["decode_tokens"] = max(r.get("decode_tokens", 0) for r in ok)
             cell["turn2_prompt_tokens_max"] = max(read) if read else None
+            ttft = [r["turn2_prompt_ms"] for r in ok if r.get("turn2_prompt_ms") is not None]
+            cell["ttft_ms_median"] = _median(ttft) if ttft else None
+            for key in ("snapshot_ms", "restore_ms", "recompute_ms", "ms"):
+                values = [t[key] for r in ok for t in r.get("turns", []) if key in t]
+                cell[f"turn_batch_{key}_median"] = _median(values) if values else None
             cell["refreshes_per_run"] = _median([len(r.get("refresh_ms", [])) for r in ok])  # per repeat
             cell["refresh_ms_median"] = _median(refresh) if refresh else None
             cell["refresh_ms_max"] = max(refresh) if refresh else None
@@ -398,7 +410,8 @@ def _fmt_pair(median: float | None, top: float | None) -> str:
 
 TABLE_NOTE = ("runs: repeats of turn 2 that did not fail; servers: server runs among them, each with one turn-1 "
               "prefill, so prefill min / median is over servers, every other column over repeats. turn-2 read: "
-              "the most prompt tokens a repeat's turn 2 read (~512 when the prompt cache kept the prefix). "
+              "the most prompt tokens a repeat's turn 2 read (~512 when the prompt cache kept the prefix); "
+              "turn-2 TTFT: its time to the first token (the server's prompt_ms, median over repeats). "
               "turn select ms (scoring, planning and staging), score ms, stage ms and stage-in GB/s: turn 2's "
               "selections at the end of its prompt (medians over repeats), GB/s in brackets turn 1's (over servers). "
               "host RSS MiB: peak resident memory, in brackets RssAnon + RssShmem (without the model file's pages; "
@@ -408,15 +421,15 @@ TABLE_NOTE = ("runs: repeats of turn 2 that did not fail; servers: server runs a
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| config | context | runs | servers | prefill tok/s min / median | decode tok/s min / median | generated "
-            "| turn-2 read | refreshes | refresh ms median (max) | turn select ms median (max) | score ms median "
-            "| stage ms median | stage-in GB/s (turn 1) | peak VRAM MiB | KV buffer MiB | host RSS MiB (anon) "
-            "| host KV pool MiB | note |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
+            "| turn-2 read | turn-2 TTFT ms | refreshes | refresh ms median (max) | turn select ms median (max) "
+            "| score ms median | stage ms median | stage-in GB/s (turn 1) | peak VRAM MiB | KV buffer MiB "
+            "| host RSS MiB (anon) | host KV pool MiB | note |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
     lines = []
     for c in cells(rows):
         note = (c["error"] or "")[:60]
         if not c["repeats"]:
-            lines.append(f"| {c['config']} | {c['context']:,} | 0 | 0 |" + " - |" * 14 + f" {note} |")
+            lines.append(f"| {c['config']} | {c['context']:,} | 0 | 0 |" + " - |" * 15 + f" {note} |")
             continue
         read = "-" if c["turn2_prompt_tokens_max"] is None else f"{c['turn2_prompt_tokens_max']:,}"
         gbps = _fmt(c["stage_in_gbps_median"])
@@ -425,7 +438,7 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {c['config']} | {c['context']:,} | {c['repeats']} | {c['servers']} | {_fmt(c['prefill_tps_min'])} / "
             f"{_fmt(c['prefill_tps_median'])} | {_fmt(c['decode_tps_min'], 2)} / {_fmt(c['decode_tps_median'], 2)} | "
-            f"{c['decode_tokens']} | {read} | {c['refreshes_per_run']:g} | "
+            f"{c['decode_tokens']} | {read} | {_fmt(c.get('ttft_ms_median'), 0)} | {c['refreshes_per_run']:g} | "
             f"{_fmt_pair(c['refresh_ms_median'], c['refresh_ms_max'])} | "
             f"{_fmt_pair(c['turn_select_ms_median'], c['turn_select_ms_max'])} | {_fmt(c['score_ms_median'])} | "
             f"{_fmt(c['stage_ms_median'])} | "

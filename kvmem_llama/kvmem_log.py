@@ -7,6 +7,8 @@
                  question=.. method=.. lexical=.. score_ms=.. capture_ms=.. plan_ms=.. score_steps=..
                  score_build_ms=.. score_upload_ms=.. score_compute_ms=.. gather_ms=.. stage_wait_ms=..
                  captured_q=.. pinned=.. [fits=1: the whole history is resident, nothing was scored]
+    kvmem_score: TURN seq=.. tokens=.. segments=.. snapshots=.. snapshot_ms=.. restore_ms=.. recompute_tokens=..
+                 recompute_ms=.. ms=..
     kvmem_score: FOLLOW seq=.. n_blocks=.. staged_in=.. staged_out=.. resident=.. target_resident=.. common=..
     kvmem_score: DRAFT follows the target's selection: blocks=.. layers=.. host_mib=..
     kvmem_score: DISABLED (<reason>)
@@ -29,6 +31,11 @@ line, `captured_q` the query rows captured in that time (none while a generating
 resident for as long as its rows would be read: its re-selections are no-ops until then). `pinned` is the
 sequence's cells held whole in the working set outside the pool's blocks (images: their tokens share
 positions), never scored or evicted.
+TURN is the batch that ends a prompt (what the first token waits for), once per turn next to its SELECT line:
+`tokens` in it, decoded in `segments` passes (cut where a hybrid model's recurrent state is snapshotted), the host's
+time taking `snapshots` snapshots (`snapshot_ms`: the copies are queued on the device's stream, not waited for) and
+restoring one (`restore_ms`), the recomputed question span (`recompute_tokens`, `recompute_ms`), and `ms` the whole
+batch with its selection. `seq` is -1 for a batch of several sequences.
 ARMED's `score_mib` is the scoring graph's device memory, taken at startup for the largest selection, with
 its query rows (one question and one selection's newest rows, whatever the number of slots).
 FOLLOW is an MTP draft context bringing its resident blocks in line with the target's; DRAFT announces such
@@ -49,9 +56,11 @@ ARMED_KEYS = ("blocks", "block_tokens", "layers", "kv_heads", "head_dim", "budge
 SELECT_KEYS = ("seq", "n_blocks", "budget_blocks", "sink", "recent", "scored", "staged_in",
                "staged_out", "reused", "query_tokens", "ms")
 
+TURN_KEYS = ("seq", "tokens", "segments", "snapshots", "snapshot_ms", "restore_ms", "recompute_tokens", "recompute_ms",
+             "ms")
 FOLLOW_KEYS = ("seq", "n_blocks", "staged_in", "staged_out", "resident", "target_resident", "common")
 
-_EVENT = re.compile(r"kvmem_score:\s+(?P<event>ARMED|SELECT|FOLLOW|DRAFT|DISABLED)\b\s*(?P<rest>.*?)\s*$")
+_EVENT = re.compile(r"kvmem_score:\s+(?P<event>ARMED|SELECT|TURN|FOLLOW|DRAFT|DISABLED)\b\s*(?P<rest>.*?)\s*$")
 _PAIR = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>\S+)")
 _DISABLED = re.compile(r"^\((?P<reason>.*)\)$")
 
@@ -101,6 +110,11 @@ def parse_select(line: str) -> dict | None:
     return event
 
 
+def parse_turn(line: str) -> dict | None:
+    """`{"event": "TURN", "seq": int, "tokens": int, ..., "ms": float}`: where a turn's last batch spent its time."""
+    return _parse_keyed(line, "TURN", TURN_KEYS)
+
+
 def parse_follow(line: str) -> dict | None:
     """`{"event": "FOLLOW", "seq": int, "resident": int, "target_resident": int, "common": int, ...}`."""
     return _parse_keyed(line, "FOLLOW", FOLLOW_KEYS)
@@ -127,7 +141,7 @@ def parse_line(line: str) -> dict | None:
     """Whichever kvmem_score event the line carries, or None."""
     if "kvmem_score:" not in line:
         return None
-    return (parse_armed(line) or parse_select(line) or parse_follow(line) or parse_draft(line)
+    return (parse_armed(line) or parse_select(line) or parse_turn(line) or parse_follow(line) or parse_draft(line)
             or parse_disabled(line))
 
 
