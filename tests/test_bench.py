@@ -136,6 +136,26 @@ def test_bench_tiered_run_records_selections_refreshes_and_stage_in(cpu_engine: 
     assert f"| {cell['host_pool_mib']:,.0f} |" in markdown_table([row])
 
 
+def test_record_selections_keeps_each_turns_batch_timing_and_the_cell_its_medians() -> None:
+    """TURN lines (where a prompt's last batch spent its time) land in `turns`; the cell has their medians and
+    the repeats' time to first token."""
+    line = ("0.05 W kvmem_score: TURN seq=0 tokens=4 segments=1 snapshots=1 snapshot_ms={snap} restore_ms=0.100 "
+            "recompute_tokens=132 recompute_ms={rec} ms={ms}")
+    rows = []
+    for repeat, (snap, rec, ms, ttft) in enumerate([(0.02, 90.0, 180.0, 400.0), (0.04, 110.0, 220.0, 600.0)]):
+        result = BenchResult("tiering-on", 4096, 4000, 1000.0, 50.0, 900.0, None, 64.0, 100.0, repeat=repeat,
+                             turn2_prompt_ms=ttft)
+        record_selections(line.format(snap=snap, rec=rec, ms=ms), result, block_bytes=1)
+        assert result.turns == [{"seq": 0, "tokens": 4, "segments": 1, "snapshots": 1, "snapshot_ms": snap,
+                                 "restore_ms": 0.1, "recompute_tokens": 132, "recompute_ms": rec, "ms": ms}]
+        assert result.select_ms == []  # a TURN line is not a selection
+        rows.append(result.__dict__)
+    (cell,) = cells(rows)
+    assert cell["ttft_ms_median"] == 500.0
+    assert cell["turn_batch_recompute_ms_median"] == 100.0 and cell["turn_batch_ms_median"] == 200.0
+    assert "| 500 |" in markdown_table(rows)
+
+
 def test_record_selections_sorts_select_lines_by_reason() -> None:
     """turn (and an engine that names no reason) -> select_ms with its stage-in; refresh/room -> refresh_ms;
     prefill -> prompt_select_ms; a fits=1 line (nothing to select) is a turn selection of 0 ms."""
@@ -162,5 +182,5 @@ def test_record_selections_sorts_select_lines_by_reason() -> None:
     # the parts of a selection, from the engines that time them
     assert result.phases == [{"reason": "refresh", "ms": 3.0, "stage_ms": 1.0, "score_ms": 1.0, "plan_ms": 0.5,
                               "score_steps": 1, "score_build_ms": 0.1, "score_upload_ms": 0.2, "score_compute_ms": 0.7,
-                              "gather_ms": 0.05, "stage_wait_ms": 0.4}]
+                              "gather_ms": 0.05, "stage_wait_ms": 0.4, "capture_ms": 6.5}]
     assert result.stage_in_gbps == [round(8 * 2**20 / 0.002 / 1e9, 2), round(2 * 2**20 / 0.004 / 1e9, 2)]

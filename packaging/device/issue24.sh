@@ -43,7 +43,11 @@ run)
   build=$(ls -d ~/.cache/kvmem/trees/*/build-cuda-* | head -1); src=$(dirname "$build")/src
   mkdir -p "$src/tests" && cp -rn patches/overlay/tests/. "$src/tests/"
   cmake -S "$src" -B "$build" -DKVMEM_BUILD_TESTS=ON >/dev/null && ninja -C "$build" test-kvmem bench-kvmem-stager 2>&1 | tail -3
-  for suite in stager summaries queries readback; do KVMEM_TEST_DEVICE=CUDA0 "$build/bin/test-kvmem" $suite 2>&1 | grep -v load_backend; done | tee "$OUT/cuda-suites.txt"
+  # the recurrent snapshots' pinned rooms and queued copies, on a tiny synthetic qwen35 on the GPU
+  kvmem synth --arch qwen35 --preset tiny --donor .kvmem/ggml-vocab-qwen35.gguf -o /tmp/q35-tiny.gguf --force | tail -1
+  for suite in stager summaries queries readback snapshot; do
+    KVMEM_TEST_MODEL=/tmp/q35-tiny.gguf KVMEM_TEST_DEVICE=CUDA0 "$build/bin/test-kvmem" $suite 2>&1 | grep -v load_backend
+  done | tee "$OUT/cuda-suites.txt"
   # the stager's stage-in throughput by staging size, next to plain copies of the same slots (no model)
   KVMEM_TEST_DEVICE=CUDA0 "$build/bin/bench-kvmem-stager" "$OUT/stager-bench.json" 2>&1 | grep -v load_backend | tee "$OUT/stager-bench.txt"
   fi

@@ -22,6 +22,7 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
     if (!leader && scorer->scores()) {
         const bool keys = scorer->summary_size() > 0;
         fetch_captures(sched, res, ubatch.n_tokens, keys, wants_query_rows(ubatch));
+        capture.fetch_us += ggml_time_us() - t0;
         if (keys) {
             capture_keys(ubatch);
         }
@@ -30,13 +31,16 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
         }
         capture_queries(ubatch);
     }
+    const int64_t t_write = ggml_time_us();
     for (uint32_t s = 0; s < ubatch.n_seqs_unq; ++s) {
         write_through(ubatch.seq_id_unq[s]);
     }
+    capture.write_us += ggml_time_us() - t_write;
     if (summaries) {
         summaries->flush(); // this ubatch's summaries are on the device
     }
-    capture_us += ggml_time_us() - t0;
+    capture.us += ggml_time_us() - t0;
+    capture.ubatches++;
     publish();
 }
 
@@ -170,7 +174,7 @@ void llama_kvmem_cache::capture_queries(const llama_ubatch & ubatch) {
         return;
     }
     std::set<llama_seq_id> touched;
-    captured_q += n_cap_q;
+    capture.q_rows += n_cap_q;
     for (uint32_t j = 0; j < n_cap_q; ++j) {
         const uint32_t i = nt - n_cap_q + j;
         const llama_seq_id s = ubatch.seq_id[i][0];

@@ -361,10 +361,12 @@ private:
         double  last_ms       = 0.0;
     };
     counters totals;
-    // host time spent capturing and writing through after ubatches, and query rows captured, since the last SELECT
-    // line (which says both)
-    int64_t capture_us = 0;
-    uint32_t captured_q = 0;
+    // host time spent after ubatches since the last SELECT line (which says it), by part: reading the captured rows
+    // back (with the wait for their copies), the write-through of completed blocks; the query rows captured
+    struct {
+        int64_t us = 0, fetch_us = 0, write_us = 0;
+        uint32_t ubatches = 0, q_rows = 0;
+    } capture;
     bool host_full_logged = false;
 
     mutable std::mutex snap_mutex;
