@@ -63,15 +63,6 @@ llama_memory_i * llama_kvmem_create_hybrid(const llama_model & model, const llam
 // recurrent state snapshots (llama-kvmem-snapshot.h)
 //
 
-void kvmem_room::reserve(ggml_backend_buffer_type_t host, size_t bytes) {
-    if (host && (!pinned || ggml_backend_buffer_get_type(pinned.get()) != host || size() < bytes)) {
-        pinned.reset(ggml_backend_buft_alloc_buffer(host, bytes));
-    }
-    if (!pinned && plain.size() < bytes) {
-        plain.resize(bytes);
-    }
-}
-
 // what state_write writes: its plain bytes go to `meta` at once, its tensors are queued (copied by take())
 class kvmem_snapshot_writer : public llama_io_write_i {
 public:
@@ -148,14 +139,11 @@ private:
 kvmem_snapshot::kvmem_snapshot(llama_pos pos, std::vector<uint8_t> && written) :
     pos(pos), meta(std::move(written)), whole(true) {}
 
-// the host buffer type (pinned memory) of the first device that owns one of the tensors; nullptr: none
+// the pinned memory type of the first device that owns one of the tensors; nullptr: none has one
 static ggml_backend_buffer_type_t kvmem_pinned_type(ggml_backend_sched_t sched,
         const std::vector<kvmem_snapshot_writer::queued> & todo) {
     for (const auto & q : todo) {
-        ggml_backend_t be = kvmem_backend_of(sched, q.tensor);
-        ggml_backend_dev_t dev = be ? ggml_backend_get_device(be) : nullptr;
-        ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
-        if (host) {
+        if (ggml_backend_buffer_type_t host = kvmem_pinned_type_of(kvmem_backend_of(sched, q.tensor))) {
             return host;
         }
     }

@@ -16,9 +16,19 @@ ggml_backend_t kvmem_backend_of(ggml_backend_sched_t sched, const ggml_tensor * 
     return nullptr;
 }
 
-kvmem_readback::~kvmem_readback() {
-    if (pinned) {
-        ggml_backend_buffer_free(pinned);
+ggml_backend_buffer_type_t kvmem_pinned_type_of(ggml_backend_t be) {
+    ggml_backend_dev_t dev = be ? ggml_backend_get_device(be) : nullptr;
+    return dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+}
+
+void kvmem_room::reserve(ggml_backend_buffer_type_t host, size_t bytes) {
+    if (!host) {
+        pinned.reset(); // plain memory from now on
+    } else if (!pinned || ggml_backend_buffer_get_type(pinned.get()) != host || size() < bytes) {
+        pinned.reset(ggml_backend_buft_alloc_buffer(host, bytes));
+    }
+    if (!pinned && plain.size() < bytes) {
+        plain.resize(bytes); // no pinned memory: the same copies, each waited for
     }
 }
 
@@ -26,22 +36,6 @@ size_t kvmem_readback::add(ggml_tensor * t) {
     GGML_ASSERT(t && t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->buffer);
     queued.push_back(t);
     return queued.size() - 1;
-}
-
-uint8_t * kvmem_readback::scratch(ggml_backend_t be, size_t bytes) {
-    ggml_backend_dev_t dev = be ? ggml_backend_get_device(be) : nullptr;
-    ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
-    if (host && (!pinned || ggml_backend_buffer_get_size(pinned) < bytes)) {
-        if (pinned) {
-            ggml_backend_buffer_free(pinned);
-        }
-        pinned = ggml_backend_buft_alloc_buffer(host, bytes + bytes/4);
-    }
-    if (host && pinned) {
-        return (uint8_t *) ggml_backend_buffer_get_base(pinned);
-    }
-    plain.resize(std::max(plain.size(), bytes)); // no pinned memory: the same copies, each waited for
-    return plain.data();
 }
 
 void kvmem_readback::fetch(ggml_backend_sched_t sched) {
@@ -63,7 +57,10 @@ void kvmem_readback::fetch(ggml_backend_sched_t sched) {
         return;
     }
     const auto first = std::find_if(owner.begin(), owner.end(), [](ggml_backend_t be) { return be != nullptr; });
-    uint8_t * base = scratch(first != owner.end() ? *first : nullptr, bytes);
+    if (scratch.size() < bytes) {
+        scratch.reserve(kvmem_pinned_type_of(first != owner.end() ? *first : nullptr), bytes + bytes/4);
+    }
+    uint8_t * base = scratch.data();
     std::vector<ggml_backend_t> backends;
     for (size_t i = 0; i < queued.size(); ++i) {
         if (data[i]) {

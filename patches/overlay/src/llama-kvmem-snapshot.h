@@ -11,34 +11,15 @@
 // The implementation is in llama-kvmem-hybrid.cpp.
 
 #include "llama.h"
+#include "llama-kvmem-readback.h"
 
 #include "ggml-backend.h"
 
 #include <cstdint>
-#include <memory>
 #include <utility>
 #include <vector>
 
 class llama_memory_recurrent;
-
-struct kvmem_room_free {
-    void operator()(ggml_backend_buffer * b) const { ggml_backend_buffer_free(b); }
-};
-
-// memory a snapshot's tensor bytes go to: pinned (the device's host buffer type) or, without one, plain
-class kvmem_room {
-public:
-    uint8_t * data() { return pinned ? (uint8_t *) ggml_backend_buffer_get_base(pinned.get()) : plain.data(); }
-    const uint8_t * data() const { return const_cast<kvmem_room *>(this)->data(); }
-    bool is_pinned() const { return pinned != nullptr; }
-    size_t size() const { return pinned ? ggml_backend_buffer_get_size(pinned.get()) : plain.size(); }
-    // room for `bytes`; pinned memory of `host` when it is given (nullptr: plain memory)
-    void reserve(ggml_backend_buffer_type_t host, size_t bytes);
-
-private:
-    std::unique_ptr<ggml_backend_buffer, kvmem_room_free> pinned;
-    std::vector<uint8_t> plain;
-};
 
 class kvmem_snapshot {
 public:
