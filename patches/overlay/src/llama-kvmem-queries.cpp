@@ -26,12 +26,10 @@ void kvmem_query_store::init(ggml_backend_t backend, const kvmem_dims & dims, ui
     n_ring = ring_rows;
     n_turn = turn_rows;
     n_newest = newest_rows;
-    ggml_init_params params = { 2*ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
+    ggml_init_params params = { ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
     ctx = ggml_init(params);
-    dev_turn = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, (int64_t) d.query_row(), n_turn);
-    dev_newest = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, (int64_t) d.query_row(), n_newest);
-    ggml_set_name(dev_turn, "kvmem_query_turn");
-    ggml_set_name(dev_newest, "kvmem_query_newest");
+    dev_rows = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, (int64_t) d.query_row(), n_turn + n_newest);
+    ggml_set_name(dev_rows, "kvmem_query_rows");
     ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(backend);
     dev_buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
     if (!dev_buf) {
@@ -63,9 +61,9 @@ float * kvmem_query_store::ring_row(uint32_t seq, int32_t pos) {
     return ring_at(seq, (uint32_t) pos % n_ring);
 }
 
-void kvmem_query_store::upload(uint32_t seq, const std::vector<int32_t> & positions, ggml_tensor * t) {
+void kvmem_query_store::upload(uint32_t seq, const std::vector<int32_t> & positions, uint32_t r0) {
     const size_t row = d.query_row()*sizeof(float);
-    GGML_ASSERT(seq < n_seqs && positions.size() <= (size_t) t->ne[1]);
+    GGML_ASSERT(seq < n_seqs && r0 + positions.size() <= (size_t) dev_rows->ne[1]);
     for (size_t r = 0; r < positions.size(); ) {
         // a run of consecutive positions is one of consecutive slots up to the ring's end
         const uint32_t slot = (uint32_t) positions[r] % n_ring;
@@ -73,14 +71,14 @@ void kvmem_query_store::upload(uint32_t seq, const std::vector<int32_t> & positi
         while (r + n < positions.size() && positions[r + n] == positions[r] + (int32_t) n && slot + n < n_ring) {
             n++;
         }
-        ggml_backend_tensor_set(t, ring_at(seq, slot), r*row, n*row);
+        ggml_backend_tensor_set(dev_rows, ring_at(seq, slot), (r0 + r)*row, n*row);
         r += n;
     }
 }
 
 void kvmem_query_store::save_owner() {
     if (dev_owner >= 0 && !owner_saved) {
-        ggml_backend_tensor_get(dev_turn, turn_copy((uint32_t) dev_owner), 0, (size_t) dev_n*d.query_row()*sizeof(float));
+        ggml_backend_tensor_get(dev_rows, turn_copy((uint32_t) dev_owner), 0, (size_t) dev_n*d.query_row()*sizeof(float));
         owner_saved = true;
     }
 }
@@ -90,35 +88,36 @@ void kvmem_query_store::keep_turn(uint32_t seq, const std::vector<int32_t> & pos
     if (dev_owner != (int64_t) seq) {
         save_owner();
     }
-    upload(seq, positions, dev_turn);
+    upload(seq, positions, 0);
     dev_owner = seq;
     dev_n = (uint32_t) positions.size();
     owner_saved = false; // saved only when another turn needs the device's rows
 }
 
-kvmem_graph_scorer::rows_span kvmem_query_store::turn_rows(uint32_t seq, uint32_t n) {
-    GGML_ASSERT(seq < n_seqs && n <= n_turn);
-    if (dev_owner != (int64_t) seq) {
+kvmem_graph_scorer::rows_span kvmem_query_store::selection_rows(uint32_t seq, uint32_t n_question,
+        const std::vector<int32_t> & newest) {
+    GGML_ASSERT(seq < n_seqs && n_question <= n_turn && newest.size() <= n_newest);
+    if (n_question > 0 && (dev_owner != (int64_t) seq || n_question > dev_n)) {
+        // another turn took the device's rows, or newest rows took the place of some: from the host copy
+        GGML_ASSERT((dev_owner != (int64_t) seq || owner_saved) && "a question's rows are kept by keep_turn first");
         save_owner();
-        ggml_backend_tensor_set(dev_turn, turn_copy(seq), 0, (size_t) n*d.query_row()*sizeof(float));
+        ggml_backend_tensor_set(dev_rows, turn_copy(seq), 0, (size_t) n_question*d.query_row()*sizeof(float));
         dev_owner = seq;
-        dev_n = n;
+        dev_n = n_question;
         owner_saved = true;
     }
-    GGML_ASSERT(n <= dev_n && "a question's rows are kept by keep_turn first");
-    return span(dev_turn, n);
+    if (!newest.empty() && dev_owner >= 0 && dev_n > n_question) {
+        save_owner(); // the newest rows take the place of the device's question rows past n_question
+        dev_n = n_question;
+    }
+    upload(seq, newest, n_question);
+    return span(n_question + (uint32_t) newest.size());
 }
 
-kvmem_graph_scorer::rows_span kvmem_query_store::span(const ggml_tensor * t, uint32_t n) const {
-    return { t, 0, d.query_row()*sizeof(float), (size_t) d.n_head*d.head_dim*sizeof(float), n };
+kvmem_graph_scorer::rows_span kvmem_query_store::span(uint32_t n) const {
+    return { dev_rows, 0, d.query_row()*sizeof(float), (size_t) d.n_head*d.head_dim*sizeof(float), n };
 }
 
-std::vector<kvmem_graph_scorer::rows_span> kvmem_query_store::largest() const {
-    return { span(dev_turn, n_turn), span(dev_newest, n_newest) };
-}
-
-kvmem_graph_scorer::rows_span kvmem_query_store::newest_rows(uint32_t seq, const std::vector<int32_t> & positions) {
-    GGML_ASSERT(positions.size() <= n_newest);
-    upload(seq, positions, dev_newest);
-    return span(dev_newest, (uint32_t) positions.size());
+kvmem_graph_scorer::rows_span kvmem_query_store::largest() const {
+    return span(n_turn + n_newest);
 }

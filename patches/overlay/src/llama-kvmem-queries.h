@@ -5,7 +5,9 @@
 // Per sequence, a ring of the newest tokens' rows (position pos in slot pos % ring rows) in host memory, pinned
 // where the scoring device has pinned memory, written from the captures' readback; and one question on the device.
 // A turn puts its question's rows on the device straight from the ring (no gathering on the host: a turn's
-// question is 50 MB on a 27B model); they stay there for its re-selections, which upload only their newest rows.
+// question is 50 MB on a 27B model); they stay there for its re-selections, which upload only their newest rows,
+// right after the question's: a selection's rows are one span, so the scorer cuts them into as few graph steps as
+// its bound allows (each step costs its kernels whatever its rows; two spans took a step more on the H200).
 // When another sequence's turn takes the device's question rows, the rows it replaces go back to their sequence's
 // host copy first (the ring moves on while a sequence answers), from where they return when needed. Device memory
 // is one question and one selection's newest rows, whatever the number of sequences. Which positions have rows is
@@ -38,13 +40,12 @@ public:
 
     // seq's question is the ring's rows of these positions (at most turn_rows, each still in the ring): onto the device
     void keep_turn(uint32_t seq, const std::vector<int32_t> & positions);
-    // the device's rows of seq's question (the first n), brought back first when another turn took them
-    kvmem_graph_scorer::rows_span turn_rows(uint32_t seq, uint32_t n);
-    // the ring's rows of these positions of seq (at most newest_rows), uploaded
-    kvmem_graph_scorer::rows_span newest_rows(uint32_t seq, const std::vector<int32_t> & positions);
+    // one selection's rows on the device: the first n_question rows of seq's question (brought back from its host
+    // copy first when another turn took them), then the ring's rows of `newest` (at most newest_rows), uploaded
+    kvmem_graph_scorer::rows_span selection_rows(uint32_t seq, uint32_t n_question, const std::vector<int32_t> & newest);
 
     // the device's rows whole: the largest selection's (to reserve the scoring graph for)
-    std::vector<kvmem_graph_scorer::rows_span> largest() const;
+    kvmem_graph_scorer::rows_span largest() const;
 
     size_t device_bytes() const;
     size_t host_bytes() const;
@@ -54,21 +55,20 @@ private:
     uint32_t n_seqs = 0, n_ring = 0, n_turn = 0, n_newest = 0;
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t dev_buf = nullptr;
-    ggml_tensor * dev_turn = nullptr;    // [query_row, n_turn] f32
-    ggml_tensor * dev_newest = nullptr;  // [query_row, n_newest] f32
+    ggml_tensor * dev_rows = nullptr;    // [query_row, n_turn + n_newest] f32: the question's rows, then the newest
     ggml_backend_buffer_t pinned = nullptr;
     std::vector<float> plain;            // when the device has no pinned memory
     float * host = nullptr;              // [seq][n_ring + n_turn][query_row]: ring, then the question's copy
-    int64_t dev_owner = -1;              // the sequence whose question dev_turn holds
-    uint32_t dev_n = 0;                  // and how many rows
+    int64_t dev_owner = -1;              // the sequence whose question dev_rows holds
+    uint32_t dev_n = 0;                  // and how many rows (the newest rows follow the ones a selection uses)
     bool owner_saved = false;            // its host copy holds them too
 
     float * ring_at(uint32_t seq, uint32_t slot) { return host + ((size_t) seq*(n_ring + n_turn) + slot)*d.query_row(); }
     float * turn_copy(uint32_t seq) { return ring_at(seq, n_ring); }
-    // the first n rows of a [query_row, rows] device tensor, as the graph scorer reads them
-    kvmem_graph_scorer::rows_span span(const ggml_tensor * t, uint32_t n) const;
+    // the first n rows of dev_rows, as the graph scorer reads them
+    kvmem_graph_scorer::rows_span span(uint32_t n) const;
     // the owner's rows into its host copy (before another turn replaces them)
     void save_owner();
-    // upload the ring's rows of `positions` of seq to rows r0.. of t (runs of consecutive slots, one copy each)
-    void upload(uint32_t seq, const std::vector<int32_t> & positions, ggml_tensor * t);
+    // upload the ring's rows of `positions` of seq to dev_rows from row r0 on (runs of consecutive slots, one copy each)
+    void upload(uint32_t seq, const std::vector<int32_t> & positions, uint32_t r0);
 };

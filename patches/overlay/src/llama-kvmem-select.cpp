@@ -218,14 +218,7 @@ kvmem_score_fn llama_kvmem_cache::score_fn(llama_seq_id seq_id, const kvmem_seq 
             slots.push_back(st.blocks.at(b).slot);
         }
         copier.wait(); // the summaries' uploads share the device's stream
-        std::vector<kvmem_graph_scorer::rows_span> rows;
-        if (q.n_turn > 0) {
-            rows.push_back(query_store->turn_rows((uint32_t) seq_id, q.n_turn));
-        }
-        if (q.n_newest() > 0) {
-            rows.push_back(query_store->newest_rows((uint32_t) seq_id, q.newest));
-        }
-        graph_scorer->score(slots, rows, out);
+        graph_scorer->score(slots, { query_store->selection_rows((uint32_t) seq_id, q.n_turn, q.newest) }, out);
     };
 }
 

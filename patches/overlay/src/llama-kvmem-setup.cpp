@@ -326,10 +326,10 @@ void llama_kvmem_cache::init_summaries() {
     const uint32_t n_newest = std::max(kvmem_newest_query_rows(kp.query_tokens), kvmem_prompt_query_rows(kp.query_tokens));
     query_store->init(score_backend, dims, n_seq_cap, kvmem_kept_query_rows(kp.query_tokens), kp.query_tokens, n_newest);
     graph_scorer = std::make_unique<kvmem_graph_scorer>(score_backend, *summaries);
-    graph_scorer->reserve(query_store->largest()); // a re-selection's question and newest rows
+    graph_scorer->reserve({ query_store->largest() }); // a re-selection's question and newest rows
     ggml_backend_dev_t score_dev = ggml_backend_get_device(score_backend);
     if (score_dev && ggml_backend_dev_type(score_dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
-        graph_scorer->warm_up(query_store->largest()); // a GPU's first run is slow; the CPU's is not
+        graph_scorer->warm_up({ query_store->largest() }); // a GPU's first run is slow; the CPU's is not
     }
     LLAMA_LOG_INFO("%s: block summaries %.1f MiB and query rows %.1f MiB on %s (%.1f MiB of host memory), scoring there "
             "(compute buffer %.1f MiB)\n", __func__, summaries->bytes()/1024.0/1024.0, query_store->device_bytes()/1024.0/1024.0,

@@ -52,31 +52,42 @@ KV_SUITE(queries) {
     qs.init(be, D, /*n_seqs*/ 2, /*ring*/ 10, /*turn*/ 4, /*newest*/ 5);
     KV_CHECK(qs.device_bytes() == (size_t) (4 + 5)*D.query_row()*sizeof(float));
     KV_CHECK(qs.host_bytes() == (size_t) 2*(10 + 4)*D.query_row()*sizeof(float));
-    const auto whole = qs.largest();
-    KV_CHECK(whole.size() == 2 && whole[0].n == 4 && whole[1].n == 5);
+    KV_CHECK(qs.largest().n == 4 + 5); // one span: a selection's steps are cut from all of its rows
 
     // positions 5..14 of seq 1: the ring wraps at 10; newest rows across the wrap, and with a gap
     write(qs, 1, 5, 15);
-    kvmem_graph_scorer::rows_span s = qs.newest_rows(1, { 8, 9, 10, 11, 12 });
+    kvmem_graph_scorer::rows_span s = qs.selection_rows(1, 0, { 8, 9, 10, 11, 12 });
     KV_CHECK(s.n == 5 && holds(s, 0, 1, 8) && holds(s, 1, 1, 9) && holds(s, 2, 1, 10) && holds(s, 4, 1, 12));
-    s = qs.newest_rows(1, { 6, 13 });
+    s = qs.selection_rows(1, 0, { 6, 13 });
     KV_CHECK(s.n == 2 && holds(s, 0, 1, 6) && holds(s, 1, 1, 13));
 
-    // seq 1's question stays on the device while its ring moves on
+    // seq 1's question stays on the device while its ring moves on; a selection's newest rows follow it
     qs.keep_turn(1, { 9, 10, 11 });
     write(qs, 1, 15, 25); // positions 9..11 leave the ring
-    s = qs.turn_rows(1, 3);
+    s = qs.selection_rows(1, 3, {});
     KV_CHECK(s.n == 3 && holds(s, 0, 1, 9) && holds(s, 2, 1, 11));
+    s = qs.selection_rows(1, 3, { 22, 23, 24 });
+    KV_CHECK(s.n == 6 && holds(s, 0, 1, 9) && holds(s, 2, 1, 11) && holds(s, 3, 1, 22) && holds(s, 5, 1, 24));
+    // newest rows in place of the question's third row: it comes back from the host copy when asked for again
+    s = qs.selection_rows(1, 2, { 20, 21, 22, 23, 24 });
+    KV_CHECK(s.n == 7 && holds(s, 1, 1, 10) && holds(s, 2, 1, 20) && holds(s, 6, 1, 24));
+    s = qs.selection_rows(1, 3, { 24 });
+    KV_CHECK(s.n == 4 && holds(s, 0, 1, 9) && holds(s, 2, 1, 11) && holds(s, 3, 1, 24));
 
     // seq 0's turn takes the device's rows; seq 1's come back from their host copy, then seq 0's from theirs
     write(qs, 0, 20, 22);
     qs.keep_turn(0, { 20, 21 });
-    s = qs.turn_rows(0, 2);
+    s = qs.selection_rows(0, 2, {});
     KV_CHECK(holds(s, 0, 0, 20) && holds(s, 1, 0, 21));
-    s = qs.turn_rows(1, 3);
+    s = qs.selection_rows(1, 3, {});
     KV_CHECK(holds(s, 0, 1, 9) && holds(s, 1, 1, 10) && holds(s, 2, 1, 11));
     write(qs, 0, 22, 40);
-    s = qs.turn_rows(0, 2);
+    s = qs.selection_rows(0, 2, {});
     KV_CHECK(holds(s, 0, 0, 20) && holds(s, 1, 0, 21));
+    // seq 1's newest rows alone take the place of seq 0's question, which comes back from its host copy
+    s = qs.selection_rows(1, 0, { 23, 24 });
+    KV_CHECK(s.n == 2 && holds(s, 0, 1, 23) && holds(s, 1, 1, 24));
+    s = qs.selection_rows(0, 2, { 39 });
+    KV_CHECK(s.n == 3 && holds(s, 0, 0, 20) && holds(s, 1, 0, 21) && holds(s, 2, 0, 39));
     ggml_backend_free(be);
 }
