@@ -117,7 +117,7 @@ def _working_bytes(info: ModelInfo, choice: tuple[str, str, str]) -> int:
 
 
 STAGING_BYTES = 64 * MiB  # the engine's staging buffer for block copies (llama-kvmem-pool.cpp)
-SCORE_STEP_BYTES = 112 * MiB  # the scoring graph's bound on one step's attention matrix (llama-kvmem-summaries.h)
+SCORE_STEP_BYTES = 96 * MiB  # the scoring graph's bound on one step's attention matrix (llama-kvmem-summaries.h)
 QUERY_TOKENS = 128  # --kvmem-query-tokens' default: a re-selection scores 1.5x as many query rows
 
 

@@ -125,11 +125,11 @@ TRUNK, COMPUTE, OVERHEAD, MTP_W, MTP_KV = 12_348_030_976, 550_502_400, 536_870_9
 
 
 # Scoring on the GPU at 256K: f16 summaries 4096 B x 262400 tokens (the pool's 2050 blocks) = 1_074_790_400; its
-# graph's memory: one layer's summaries as f32 (2/16 of that), one step's attention matrix (112 MiB: all 192 rows of
+# graph's memory: one layer's summaries as f32 (2/16 of that), one step's attention matrix (96 MiB: all 192 rows of
 # a re-selection over 32800 chunk keys x 24 heads would take 604 MB), those 192 query rows (24 heads x 256 x 16
 # layers, f32); the 64 MiB staging buffer
-SUMMARIES = 1_074_790_400 + 1_074_790_400 // 8 + 112 * 2**20 + 192 * 24 * 256 * 16 * 4 + 64 * 2**20
-assert 192 * 32800 * 24 * 4 > 112 * 2**20
+SUMMARIES = 1_074_790_400 + 1_074_790_400 // 8 + 96 * 2**20 + 192 * 24 * 256 * 16 * 4 + 64 * 2**20
+assert 192 * 32800 * 24 * 4 > 96 * 2**20
 
 
 def _budget(vram: int, per_token: int = 65536, scored_on_gpu: bool = True) -> int:
@@ -150,14 +150,14 @@ def test_qwen27b_12gb_does_not_fit(qwen27b: ModelInfo) -> None:
 
 
 def test_qwen27b_16gb_tiers_with_mtp(qwen27b: ModelInfo) -> None:
-    """Scoring on the GPU takes 1.4 GiB first; an f16 working set would then hold 21,376 tokens, under 1/6 of 256K,
+    """Scoring on the GPU takes 1.4 GiB first; an f16 working set would then hold 21,632 tokens, under 1/6 of 256K,
     so the plan takes a q8_0 working set (and pool) rather than scoring on the CPU."""
     plan = planner.plan(qwen27b, hw("16G"))
-    assert _budget(16 * GiB) == 21376 and 262144 > 6 * 21376
+    assert _budget(16 * GiB) == 21632 and 262144 > 6 * 21632
     assert _budget(16 * GiB, scored_on_gpu=False) == 43776  # what scoring on the CPU would leave
     prof = plan.profile
     assert (prof.ctk, prof.budget, prof.gen_reserve, prof.draft_mtp, prof.score_on) == \
-        ("q8_0", _budget(16 * GiB, 34816), 4096, True, "device") == ("q8_0", 43776, 4096, True, "device")
+        ("q8_0", _budget(16 * GiB, 34816), 4096, True, "device") == ("q8_0", 44288, 4096, True, "device")
     assert 262144 <= 6 * prof.budget
     assert prof.host_mib == 8704  # the whole 256K history at q8_0
     assert dict((i, s) for i, s, _ in plan.ledger)["block summaries"] == SUMMARIES
@@ -166,7 +166,7 @@ def test_qwen27b_16gb_tiers_with_mtp(qwen27b: ModelInfo) -> None:
 
 def test_qwen27b_24gb_bigger_budget(qwen27b: ModelInfo) -> None:
     plan = planner.plan(qwen27b, hw("24G"))
-    assert plan.profile.budget == _budget(24 * GiB) == 152448 and plan.profile.score_on == "device"
+    assert plan.profile.budget == _budget(24 * GiB) == 152704 and plan.profile.score_on == "device"
     assert plan.profile.ctk == "f16" and plan.profile.draft_mtp
 
 

@@ -23,11 +23,6 @@ kvmem_stager::~kvmem_stager() {
     if (be_copy && be_copy != be) {
         ggml_backend_free(be_copy);
     }
-    for (round_graph * r : { &whole[0][0], &whole[0][1], &whole[1][0], &whole[1][1], &shorter }) {
-        if (r->ctx) {
-            ggml_free(r->ctx);
-        }
-    }
     if (galloc) {
         ggml_gallocr_free(galloc);
     }
@@ -62,13 +57,12 @@ void kvmem_stager::init(ggml_backend_t be_in, const std::vector<kvmem_layer_rows
     alloc_index_arena();
     galloc = ggml_gallocr_new(buft);
     const size_t n_nodes = graph_nodes();
-    for (round_graph * r : { &whole[0][0], &whole[0][1], &whole[1][0], &whole[1][1], &shorter }) {
-        r->meta.resize(ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false));
+    for (auto & m : meta) {
+        m.resize(ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false));
     }
-    // the largest round of each direction, planned now: no allocation while a selection stages, and the kept graphs'
-    // tensors stay where they were allocated
+    // the largest round of each direction, planned now: no allocation while a selection stages
     for (const direction d : { direction::to_device, direction::to_host }) {
-        ggml_init_params params = { shorter.meta.size(), shorter.meta.data(), /*no_alloc*/ true };
+        ggml_init_params params = { meta[0].size(), meta[0].data(), /*no_alloc*/ true };
         ggml_context * g = ggml_init(params);
         ggml_tensor * cells = nullptr;
         GGML_ASSERT(ggml_gallocr_reserve(galloc, build_graph(g, d, 0, cap, &cells)) && "kvmem: cannot reserve the staging graph");
@@ -248,30 +242,14 @@ uint8_t * kvmem_stager::index_room(size_t bytes) {
     return p;
 }
 
-kvmem_stager::round_graph & kvmem_stager::graph_for(direction d, int h, int64_t n) {
-    const bool kept = n == (int64_t) cap;
-    round_graph & r = kept ? whole[d == direction::to_host][h] : shorter;
-    if (kept && r.gf) {
-        return r;
-    }
-    if (r.ctx) {
-        ggml_free(r.ctx);
-    }
-    ggml_init_params params = { r.meta.size(), r.meta.data(), /*no_alloc*/ true };
-    r.ctx = ggml_init(params);
-    r.gf = build_graph(r.ctx, d, h, n, &r.cells);
-    // every graph shares one buffer, taken at init for the largest: the rounds run one after another on one stream
-    const size_t taken = ggml_gallocr_get_buffer_size(galloc, 0);
-    GGML_ASSERT(ggml_gallocr_alloc_graph(galloc, r.gf) && "kvmem: cannot allocate the staging graph");
-    GGML_ASSERT(ggml_gallocr_get_buffer_size(galloc, 0) == taken && "the kept graphs' tensors stay where they were allocated");
-    return r;
-}
-
 void kvmem_stager::run_graph() {
     const int64_t n = (int64_t) q.size();
     const bool in = dir == direction::to_device;
-    const round_graph & r = graph_for(dir, half, n);
-    ggml_tensor * cells = r.cells;
+    ggml_init_params params = { meta[half].size(), meta[half].data(), /*no_alloc*/ true };
+    ggml_context * g = ggml_init(params);
+    ggml_tensor * cells = nullptr;
+    ggml_cgraph * gf = build_graph(g, dir, half, n, &cells);
+    GGML_ASSERT(ggml_gallocr_alloc_graph(galloc, gf) && "kvmem: cannot allocate the staging graph");
 
     uint8_t * room = index_room(ggml_nbytes(cells));
     for (int64_t j = 0; j < n; ++j) {
@@ -290,8 +268,9 @@ void kvmem_stager::run_graph() {
     }
     wait_for(be, used_by_copy[half]);
     ggml_backend_tensor_set_async(be, cells, room, 0, ggml_nbytes(cells));
-    GGML_ASSERT(ggml_backend_graph_compute_async(be, r.gf) == GGML_STATUS_SUCCESS);
+    GGML_ASSERT(ggml_backend_graph_compute_async(be, gf) == GGML_STATUS_SUCCESS);
     record(used_by_graph[half], be);
+    ggml_free(g);
 }
 
 void kvmem_stager::submit() {

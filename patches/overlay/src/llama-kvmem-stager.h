@@ -75,18 +75,9 @@ private:
     ggml_tensor * slot_tok = nullptr;      // i32 [block, cap]: token t of every slot of a half (stage-in's get_rows)
     ggml_tensor * block_tok = nullptr;     // i64 [block]: token t of a slot (write-through's set_rows)
     ggml_gallocr_t galloc = nullptr;
-    // a round's graph, its tensor and node structs in `meta`. CUDA keys its cached graphs by the first node's address
-    // and captures one anew when that graph's nodes changed: the graphs of whole rounds (cap blocks) are built once
-    // per direction and half and kept, so that CUDA replays them. A turn's last, shorter round used to change them,
-    // and the next turn's first rounds paid for a new capture (~5 ms a turn on the H200, when copies alone took 23).
-    struct round_graph {
-        std::vector<uint8_t> meta;
-        ggml_context * ctx = nullptr;
-        ggml_cgraph * gf = nullptr;
-        ggml_tensor * cells = nullptr; // its input: the blocks' cell indices
-    };
-    round_graph whole[2][2];               // [to_host][half]
-    round_graph shorter;                   // rebuilt for each shorter round
+    // each half's graph's tensor and node structs: CUDA keys its cached graphs by the first node's address, so each
+    // half keeps a graph of its own (one shared address would see its pointers change every round and never replay)
+    std::vector<uint8_t> meta[2];
 
     // the rounds' cell indices until they are uploaded: pinned where the backend's device has host memory
     ggml_backend_buffer_t idx_buf = nullptr;
@@ -109,8 +100,6 @@ private:
     size_t graph_nodes() const { return layers.size()*2*8 + 16; }
     // the graph moving n blocks of half h in direction d; *cells is its input of the blocks' cell indices
     ggml_cgraph * build_graph(ggml_context * g, direction d, int h, int64_t n, ggml_tensor ** cells) const;
-    // that graph, allocated: a kept one for a whole round
-    round_graph & graph_for(direction d, int h, int64_t n);
     void init_copy_stream();
     // stream `waiter` holds until `ev` (recorded by the other stream) has passed; nothing with one stream
     void wait_for(ggml_backend_t waiter, ggml_backend_event_t ev) const;

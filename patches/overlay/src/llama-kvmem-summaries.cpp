@@ -121,15 +121,11 @@ kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, const st
     const int64_t n_blocks = (int64_t) n_blocks_in;
     GGML_ASSERT(d.n_head % d.n_head_kv == 0);
     const int64_t group = d.n_head/d.n_head_kv; // query heads per KV head
-    const uint32_t max_rows = rows_per_step(n_blocks_in);
+    const uint32_t step_rows = rows_per_step(n_blocks_in);
     graph g;
-    // a span's steps as even as they can be: their number is what costs (each step's kernels), not their rows
-    std::vector<uint32_t> step_rows;
     for (const rows_span & r : rows) {
         GGML_ASSERT(r.t && r.t->type == GGML_TYPE_F32 && r.t->buffer && "query rows are f32 on the scorer's backend");
-        const uint32_t n_steps = (r.n + max_rows - 1)/max_rows;
-        step_rows.push_back(n_steps ? (r.n + n_steps - 1)/n_steps : 1);
-        g.n_steps += n_steps;
+        g.n_steps += (r.n + step_rows - 1)/step_rows;
     }
     const size_t n_nodes = (size_t) d.n_lt*(2 + 14*(size_t) g.n_steps) + 16; // n_steps: per layer
     meta.resize(ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false));
@@ -149,10 +145,9 @@ kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, const st
         // [head_dim, keys, kv heads] gathered as f32: f32 products (an f16 operand with f32 sums converts it back
         // to f32 inside every product on CUDA; measured slower on the H200)
         ggml_tensor * k = ggml_get_rows(ctx, store.layer(lt), g.idx);
-        for (size_t i = 0; i < rows.size(); ++i) {
-            const rows_span & r = rows[i];
-            for (uint32_t r0 = 0; r0 < r.n; r0 += step_rows[i]) {
-                const int64_t nr = std::min(step_rows[i], r.n - r0);
+        for (const rows_span & r : rows) {
+            for (uint32_t r0 = 0; r0 < r.n; r0 += step_rows) {
+                const int64_t nr = std::min(step_rows, r.n - r0);
                 // [head_dim, group, kv heads, rows] of this layer -> [head_dim, group*rows, kv heads]
                 ggml_tensor * qs = ggml_view_4d(ctx, const_cast<ggml_tensor *>(r.t), d.head_dim, group, d.n_head_kv, nr,
                         d.head_dim*fl, group*d.head_dim*fl, r.row_nb, r.offs + lt*r.layer_nb + r0*r.row_nb);

@@ -64,11 +64,9 @@ private:
 };
 
 // the scoring graph's largest tensor, one step's attention matrix [keys, query heads x rows] f32, stays within
-// this: a step takes as many query rows as fit (on a 27B model all of a refresh's 192 rows up to ~100K tokens, one
-// step per layer; 74 rows at 261K: a turn's 132 rows in two steps, a refresh's 192 in three). On the H200 a step
-// cost its kernels more than its rows (96 MiB: 5.4 ms per step over 16 layers, for 132 rows as for 257). 112 MiB
-// keeps a 16 GB card's q8_0 working set above 1/6 of 256K. The planner counts it (planner.py SCORE_STEP_BYTES).
-static constexpr size_t KVMEM_SCORE_STEP_BYTES = (size_t) 112 << 20;
+// this: a step takes as many query rows as fit (on a 27B model all of a refresh's 192 rows at 32K tokens, one
+// step per layer; 31 at 256K). The planner counts it (kvmem_llama/planner.py SCORE_STEP_BYTES).
+static constexpr size_t KVMEM_SCORE_STEP_BYTES = (size_t) 96 << 20;
 
 class kvmem_graph_scorer {
 public:
