@@ -6,8 +6,8 @@
 // where the scoring device has pinned memory, written from the captures' readback; and one question on the device.
 // A turn puts its question's rows on the device straight from the ring (no gathering on the host: a turn's
 // question is 50 MB on a 27B model); they stay there for its re-selections, which upload only their newest rows,
-// right after the question's: a selection's rows are one span, so the scorer cuts them into as few graph steps as
-// its bound allows (each step costs its kernels whatever its rows; two spans took a step more on the H200).
+// right after the question's: a selection's rows are one span, which the scorer cuts into steps as its bound
+// allows (two spans could take a partial step each).
 // When another sequence's turn takes the device's question rows, the rows it replaces go back to their sequence's
 // host copy first (the ring moves on while a sequence answers), from where they return when needed. Device memory
 // is one question and one selection's newest rows, whatever the number of sequences. Which positions have rows is
