@@ -29,9 +29,10 @@ def _write(text: str) -> None:
 
 
 def _show_error(exc: KvmemError) -> None:
-    err_console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+    # soft wrap: the terminal folds long lines, so a path in the message stays one piece (copyable, searchable)
+    err_console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
     if exc.hint:
-        err_console.print(f"[yellow]hint:[/] {exc.hint}")
+        err_console.print(f"[yellow]hint:[/] {exc.hint}", soft_wrap=True)
 
 
 class _Printer:

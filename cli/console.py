@@ -23,7 +23,8 @@ def human_bytes(n: float | int | None) -> str:
 
 
 def fail(message: str, hint: str | None = None, code: int = 1) -> None:
-    err_console.print(f"[bold red]error:[/] {message}")
+    # soft wrap: the terminal folds long lines, so paths and commands in the message stay one piece
+    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
     if hint:
-        err_console.print(f"[yellow]hint:[/] {hint}")
+        err_console.print(f"[yellow]hint:[/] {hint}", soft_wrap=True)
     sys.exit(code)
