@@ -64,8 +64,7 @@ void kvmem_stager::init(ggml_backend_t be_in, const std::vector<kvmem_layer_rows
     for (const direction d : { direction::to_device, direction::to_host }) {
         ggml_init_params params = { meta[0].size(), meta[0].data(), /*no_alloc*/ true };
         ggml_context * g = ggml_init(params);
-        ggml_tensor * cells = nullptr;
-        GGML_ASSERT(ggml_gallocr_reserve(galloc, build_graph(g, d, 0, cap, &cells)) && "kvmem: cannot reserve the staging graph");
+        GGML_ASSERT(ggml_gallocr_reserve(galloc, build_graph(g, d, 0, cap)) && "kvmem: cannot reserve the staging graph");
         ggml_free(g);
     }
 }
@@ -115,8 +114,8 @@ void kvmem_stager::record(ggml_backend_event_t ev, ggml_backend_t stream) const 
 
 void kvmem_stager::alloc_tensors(ggml_backend_buffer_type_t buft) {
     // the staging memory is viewed as rows of the pool's K type and of its V type (one 1-D base tensor of each type
-    // over the same bytes); the constant row indices follow it
-    ggml_init_params params = { 4*ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
+    // over the same bytes); the constant row indices and each half's cell indices follow it
+    ggml_init_params params = { 6*ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
     ctx = ggml_init(params);
     const size_t total = (size_t) 2*cap*slot_bytes;
     auto make_base = [&](ggml_type type, const char * name) {
@@ -129,12 +128,17 @@ void kvmem_stager::alloc_tensors(ggml_backend_buffer_type_t buft) {
     base_v = make_base(layers[0].pool_v, "kvmem_stage_v");
     slot_tok  = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, block, cap);
     block_tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, block);
+    for (ggml_tensor *& c : cells) {
+        c = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) cap*block);
+    }
     const size_t align = ggml_backend_buft_get_alignment(buft);
     auto aligned = [align](size_t n) { return (n + align - 1)/align*align; };
     const size_t staging = aligned(std::max(ggml_backend_buft_get_alloc_size(buft, base_k), ggml_backend_buft_get_alloc_size(buft, base_v)));
     const size_t off_tok = staging;
     const size_t off_blk = off_tok + aligned(ggml_backend_buft_get_alloc_size(buft, slot_tok));
-    const size_t size = off_blk + aligned(ggml_backend_buft_get_alloc_size(buft, block_tok));
+    const size_t off_cells = off_blk + aligned(ggml_backend_buft_get_alloc_size(buft, block_tok));
+    const size_t cells_bytes = aligned(ggml_backend_buft_get_alloc_size(buft, cells[0]));
+    const size_t size = off_cells + 2*cells_bytes;
     buf = ggml_backend_buft_alloc_buffer(buft, size);
     if (!buf) {
         throw std::runtime_error(format("kvmem: failed to allocate the staging buffer (%.1f MiB in %s)",
@@ -145,6 +149,9 @@ void kvmem_stager::alloc_tensors(ggml_backend_buffer_type_t buft) {
     GGML_ASSERT(ggml_backend_tensor_alloc(buf, base_v, base) == GGML_STATUS_SUCCESS);
     GGML_ASSERT(ggml_backend_tensor_alloc(buf, slot_tok, base + off_tok) == GGML_STATUS_SUCCESS);
     GGML_ASSERT(ggml_backend_tensor_alloc(buf, block_tok, base + off_blk) == GGML_STATUS_SUCCESS);
+    for (int h = 0; h < 2; ++h) {
+        GGML_ASSERT(ggml_backend_tensor_alloc(buf, cells[h], base + off_cells + h*cells_bytes) == GGML_STATUS_SUCCESS);
+    }
     std::vector<int32_t> tok32((size_t) block*cap);
     std::vector<int64_t> tok64(block);
     for (size_t i = 0; i < tok32.size(); ++i) {
@@ -158,7 +165,7 @@ void kvmem_stager::alloc_tensors(ggml_backend_buffer_type_t buft) {
 }
 
 void kvmem_stager::alloc_index_arena() {
-    idx_size = KVMEM_STAGE_INDEX_BLOCKS*block*sizeof(int64_t);
+    idx_size = KVMEM_STAGE_INDEX_BLOCKS*block*sizeof(int32_t);
     ggml_backend_dev_t dev = ggml_backend_get_device(be);
     ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
     idx_buf = host ? ggml_backend_buft_alloc_buffer(host, idx_size) : nullptr;
@@ -203,13 +210,12 @@ ggml_tensor * kvmem_stager::slot_rows(ggml_context * g, int h, uint32_t lt, bool
             slot_bytes, slot_offset(h, 0) + (is_v ? off_v[lt] : off_k[lt]));
 }
 
-ggml_cgraph * kvmem_stager::build_graph(ggml_context * g, direction d, int h, int64_t n, ggml_tensor ** cells) const {
+ggml_cgraph * kvmem_stager::build_graph(ggml_context * g, direction d, int h, int64_t n) const {
     const bool in = d == direction::to_device;
     ggml_cgraph * gf = ggml_new_graph_custom(g, graph_nodes(), false);
     // in: rows t of every staged slot (get_rows) into the cells (set_rows); out: the cells (get_rows) into rows t of
     // every staging slot (set_rows)
-    *cells = ggml_new_tensor_1d(g, in ? GGML_TYPE_I64 : GGML_TYPE_I32, n*block);
-    ggml_set_input(*cells);
+    ggml_tensor * idx = ggml_view_1d(g, cells[h], n*block, 0);
     ggml_tensor * rows = in ? ggml_view_2d(g, slot_tok, block, n, slot_tok->nb[1], 0) : ggml_view_2d(g, block_tok, block, 1, ggml_nbytes(block_tok), 0);
     for (uint32_t lt = 0; lt < layers.size(); ++lt) {
         for (const bool is_v : { false, true }) {
@@ -221,9 +227,9 @@ ggml_cgraph * kvmem_stager::build_graph(ggml_context * g, direction d, int h, in
             ggml_tensor * out = nullptr;
             if (in) {
                 ggml_tensor * f = ggml_get_rows(g, slot_rows(g, h, lt, is_v, n), rows); // [n_per_row, block, n] f32
-                out = ggml_set_rows(g, ws, ggml_reshape_2d(g, f, t->ne[0], n*block), *cells);
+                out = ggml_set_rows(g, ws, ggml_reshape_2d(g, f, t->ne[0], n*block), idx);
             } else {
-                ggml_tensor * f = ggml_get_rows(g, ws, *cells); // [n_per_row, n*block] f32
+                ggml_tensor * f = ggml_get_rows(g, ws, idx); // [n_per_row, n*block] f32
                 out = ggml_set_rows(g, slot_rows(g, h, lt, is_v, n), ggml_reshape_3d(g, f, t->ne[0], block, n), rows);
             }
             ggml_build_forward_expand(gf, out);
@@ -247,27 +253,23 @@ void kvmem_stager::run_graph() {
     const bool in = dir == direction::to_device;
     ggml_init_params params = { meta[half].size(), meta[half].data(), /*no_alloc*/ true };
     ggml_context * g = ggml_init(params);
-    ggml_tensor * cells = nullptr;
-    ggml_cgraph * gf = build_graph(g, dir, half, n, &cells);
+    ggml_cgraph * gf = build_graph(g, dir, half, n);
     GGML_ASSERT(ggml_gallocr_alloc_graph(galloc, gf) && "kvmem: cannot allocate the staging graph");
 
-    uint8_t * room = index_room(ggml_nbytes(cells));
+    const size_t idx_bytes = (size_t) n*block*sizeof(int32_t);
+    int32_t * room = (int32_t *) index_room(idx_bytes);
     for (int64_t j = 0; j < n; ++j) {
-        const std::vector<uint32_t> & idx = q[j].idx;
         for (uint32_t t = 0; t < block; ++t) {
-            if (in) {
-                ((int64_t *) room)[j*block + t] = idx[t];
-            } else {
-                ((int32_t *) room)[j*block + t] = (int32_t) idx[t];
-            }
+            room[j*block + t] = (int32_t) q[j].idx[t];
         }
     }
-    // in: after this round's copies into the half; out: after the last copies out of it (no host wait)
-    if (in) {
-        record(used_by_copy[half], be_copy);
-    }
+    // the cell indices go up on the copy stream, behind this round's copies in (or the last copies out of the
+    // half), once the graph that last used the half is done with its indices: an upload on the graph's stream queued
+    // behind the next round's copies in the same copy engine, and each graph then waited for the next round's copies
+    wait_for(be_copy, used_by_graph[half]);
+    ggml_backend_tensor_set_async(be_copy, cells[half], room, 0, idx_bytes);
+    record(used_by_copy[half], be_copy);
     wait_for(be, used_by_copy[half]);
-    ggml_backend_tensor_set_async(be, cells, room, 0, ggml_nbytes(cells));
     GGML_ASSERT(ggml_backend_graph_compute_async(be, gf) == GGML_STATUS_SUCCESS);
     record(used_by_graph[half], be);
     ggml_free(g);

@@ -9,9 +9,10 @@
 // pool's type (quantizing there), then one backend->host copy per block. Nothing is converted on the host, and
 // there is no host wait between blocks or between rounds (only flush() waits): the graphs' row indices are constant
 // and live on the backend, and each round's cell indices are uploaded from pinned host memory (an upload from
-// pageable memory would wait for the stream). The staging buffer's two halves take turns: where the device has
-// events, the copies run on a second stream of their own, so that one half's copies overlap the other half's
-// graph (measured on the H200: copies and graphs on one stream moved 37.7 GB/s where pinned copies alone reach 54).
+// pageable memory would wait for the stream) into the half's own index tensor. The staging buffer's two halves take
+// turns: where the device has events, the copies and the index uploads run on a second stream of their own, so
+// that one half's copies overlap the other half's graph (measured on the H200: copies and graphs on one stream moved
+// 37.7 GB/s where pinned copies alone reach 54).
 // The same graphs run on the CPU backend (CI, one stream) and on CUDA.
 
 #include "llama-kvmem-pool.h"
@@ -74,6 +75,7 @@ private:
     ggml_tensor * base_v = nullptr;
     ggml_tensor * slot_tok = nullptr;      // i32 [block, cap]: token t of every slot of a half (stage-in's get_rows)
     ggml_tensor * block_tok = nullptr;     // i64 [block]: token t of a slot (write-through's set_rows)
+    ggml_tensor * cells[2] = { nullptr, nullptr }; // i32 [block*cap]: each half's round's cell indices
     ggml_gallocr_t galloc = nullptr;
     // each half's graph's tensor and node structs: CUDA keys its cached graphs by the first node's address, so each
     // half keeps a graph of its own (one shared address would see its pointers change every round and never replay)
@@ -98,8 +100,8 @@ private:
     ggml_tensor * slot_rows(ggml_context * g, int h, uint32_t lt, bool is_v, int64_t n) const;
     size_t slot_offset(int h, size_t j) const { return ((size_t) h*cap + j)*slot_bytes; }
     size_t graph_nodes() const { return layers.size()*2*8 + 16; }
-    // the graph moving n blocks of half h in direction d; *cells is its input of the blocks' cell indices
-    ggml_cgraph * build_graph(ggml_context * g, direction d, int h, int64_t n, ggml_tensor ** cells) const;
+    // the graph moving n blocks of half h in direction d (their cell indices: the first n*block of cells[h])
+    ggml_cgraph * build_graph(ggml_context * g, direction d, int h, int64_t n) const;
     void init_copy_stream();
     // stream `waiter` holds until `ev` (recorded by the other stream) has passed; nothing with one stream
     void wait_for(ggml_backend_t waiter, ggml_backend_event_t ev) const;
