@@ -124,19 +124,16 @@ QUERY_TOKENS = 128  # --kvmem-query-tokens' default: a re-selection scores 1.5x 
 def summary_bytes(info: ModelInfo, ctx: int) -> int:
     """VRAM of scoring on the GPU: the block summaries (the engine sizes them for every block of the host pool),
     the scoring graph's memory, taken at startup for the largest selection (one layer's summaries gathered as f32,
-    then rounded to bf16 beside them; the step bound holds one step's attention matrix with that bf16 copy), the query
-    rows of a re-selection (one question's and its newest rows, kept on the device whatever the number of slots:
-    the others' wait in host memory), and the staging buffer."""
+    one step's attention matrix), the query rows of a re-selection (one question's and its newest rows, kept on
+    the device whatever the number of slots: the others' wait in host memory), and the staging buffer."""
     tokens = (ctx // BLOCK_TOKENS + 2) * BLOCK_TOKENS
     summaries = info.summary_bytes_per_token * tokens
     layers = max(1, info.n_attention_layers)
     heads = info.n_heads or 0
     rows = QUERY_TOKENS + QUERY_TOKENS // 2
-    per_layer = summaries // layers
-    attention = rows * (tokens // SUMMARY_CHUNK_TOKENS) * heads * 4
-    scoring = 2 * per_layer + max(min(SCORE_STEP_BYTES, per_layer + attention), per_layer)
+    attention = min(SCORE_STEP_BYTES, rows * (tokens // SUMMARY_CHUNK_TOKENS) * heads * 4)
     query_rows = rows * heads * (info.head_dim_k or 0) * layers * 4
-    return summaries + scoring + query_rows + STAGING_BYTES
+    return summaries + 2 * summaries // layers + attention + query_rows + STAGING_BYTES
 
 
 def _gpu_kv_choice(info: ModelInfo, kv_room: int, ctx: int, gen_reserve: int,

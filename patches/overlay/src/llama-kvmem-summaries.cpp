@@ -107,14 +107,8 @@ kvmem_graph_scorer::kvmem_graph_scorer(ggml_backend_t backend_in, const kvmem_su
 }
 
 uint32_t kvmem_graph_scorer::rows_per_step(size_t n_blocks) const {
-    // the bound holds a step's attention matrix and, beside it, the layer's keys rounded to bf16 (the f32 gather they
-    // come from leaves a hole below them that a matrix does not fit in): the graph takes as much memory as it did
-    // with f32 keys
-    const kvmem_dims & d = store.dims();
-    const size_t keys = n_blocks*store.n_chunks()*d.n_head_kv*d.head_dim*ggml_type_size(GGML_TYPE_BF16);
-    const size_t room = step_bytes > keys ? step_bytes - keys : 0;
-    const size_t per_row = std::max<size_t>(1, n_blocks*store.n_chunks()*d.n_head*sizeof(float));
-    return (uint32_t) std::clamp<size_t>(room/per_row, 1, UINT32_MAX);
+    const size_t per_row = std::max<size_t>(1, n_blocks*store.n_chunks()*store.dims().n_head*sizeof(float));
+    return (uint32_t) std::clamp<size_t>(step_bytes/per_row, 1, UINT32_MAX);
 }
 
 kvmem_graph_scorer::~kvmem_graph_scorer() {
@@ -133,7 +127,7 @@ kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, const st
         GGML_ASSERT(r.t && r.t->type == GGML_TYPE_F32 && r.t->buffer && "query rows are f32 on the scorer's backend");
         g.n_steps += (r.n + step_rows - 1)/step_rows;
     }
-    const size_t n_nodes = (size_t) d.n_lt*(3 + 14*(size_t) g.n_steps) + 16; // n_steps: per layer
+    const size_t n_nodes = (size_t) d.n_lt*(2 + 14*(size_t) g.n_steps) + 16; // n_steps: per layer
     meta.resize(ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false));
     ggml_init_params params = { meta.size(), meta.data(), /*no_alloc*/ true };
     g.ctx = ggml_init(params);
@@ -148,10 +142,9 @@ kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, const st
     const float scale = 1.0f/std::sqrt((float) d.head_dim);
     const size_t fl = sizeof(float);
     for (uint32_t lt = 0; lt < d.n_lt; ++lt) {
-        // [head_dim, keys, kv heads] gathered (as f32), then rounded to bf16: bf16 operands with f32 sums are the
-        // one product cuBLAS runs on the tensor cores in ggml (f16 sums in f16; an f32 operand runs on the plain f32
-        // units, ~67 TFLOP/s on an H200, where a 261K turn's products are ~0.85 TFLOP)
-        ggml_tensor * k = ggml_cast(ctx, ggml_get_rows(ctx, store.layer(lt), g.idx), GGML_TYPE_BF16);
+        // [head_dim, keys, kv heads] gathered as f32: f32 products (an f16 operand with f32 sums converts it back
+        // to f32 inside every product on CUDA; measured slower on the H200)
+        ggml_tensor * k = ggml_get_rows(ctx, store.layer(lt), g.idx);
         for (const rows_span & r : rows) {
             for (uint32_t r0 = 0; r0 < r.n; r0 += step_rows) {
                 const int64_t nr = std::min(step_rows, r.n - r0);

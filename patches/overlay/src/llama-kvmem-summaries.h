@@ -4,10 +4,10 @@
 //
 // Every host slot has room for its block's summary (the chunk means of the block's pre-RoPE keys, per tiered layer
 // and KV head) in f16 tensors on the backend that holds the working set: VRAM on a GPU, host memory on the CPU. The
-// query rows are there too (llama-kvmem-queries.h); the graph (get_rows, a bf16 mul_mat with f32 sums, soft_max, a
-// max pool over each block's chunks, sqr, sum) runs there, and only one score per block comes back. The same graph runs on the
+// query rows are there too (llama-kvmem-queries.h); the graph (get_rows, an f32 mul_mat, soft_max, a max pool over
+// each block's chunks, sqr, sum) runs there, and only one score per block comes back. The same graph runs on the
 // CPU backend (CI) as on CUDA. It computes what kvmem_scorer's `mass` computes on the host (llama-kvmem-score.cpp),
-// from f16 summaries and bf16 products (tests/test-kvmem-summaries.cpp compares the two). The store is the summaries' only copy once a
+// from f16 summaries (tests/test-kvmem-summaries.cpp compares the two). The store is the summaries' only copy once a
 // block is in it: the cache reads one back (get) in the rare case that needs it (a cut inside an old block).
 
 
@@ -63,9 +63,9 @@ private:
     size_t put_used = 0;  // since the last wait
 };
 
-// one step's attention matrix [keys, query heads x rows] f32 and the layer's keys as bf16 [head_dim, keys, kv heads]
-// stay within this: a step takes as many query rows as fit (on a 27B model all of a refresh's 192 rows at 32K
-// tokens, one step per layer; 10 at 256K). The planner counts it (kvmem_llama/planner.py SCORE_STEP_BYTES).
+// the scoring graph's largest tensor, one step's attention matrix [keys, query heads x rows] f32, stays within
+// this: a step takes as many query rows as fit (on a 27B model all of a refresh's 192 rows at 32K tokens, one
+// step per layer; 31 at 256K). The planner counts it (kvmem_llama/planner.py SCORE_STEP_BYTES).
 static constexpr size_t KVMEM_SCORE_STEP_BYTES = (size_t) 96 << 20;
 
 class kvmem_graph_scorer {
@@ -90,8 +90,7 @@ public:
     // probability, squared, summed over (layer, head, row)
     void score(const std::vector<uint32_t> & slots, const std::vector<rows_span> & rows, std::vector<float> & out);
 
-    // query rows per graph step for this many blocks: as many as the step's bound holds beside their keys, at least
-    // one
+    // query rows per graph step for this many blocks: as many as the step's bound holds, at least one
     uint32_t rows_per_step(size_t n_blocks) const;
 
     // take the backend memory of the largest selection now (every slot, these rows): the compute buffer is taken

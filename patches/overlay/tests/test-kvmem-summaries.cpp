@@ -135,13 +135,12 @@ KV_SUITE(summaries) {
         return ok;
     };
 
-    // the step bound sets how many rows a step takes beside the keys, never the scores: one row per step, then seven
-    // (the last step short), against all 20 in one step per span
+    // the step bound sets how many rows a step takes, never the scores: one row per step, then seven (the last
+    // step short), against all 20 in one step per span
     KV_CHECK(graph.last_timing().n_steps == 2);
     const size_t per_row = (size_t) n_blocks*n_ch*d.n_head*sizeof(float);
-    const size_t keys_bf16 = (size_t) n_blocks*n_ch*d.n_head_kv*d.head_dim*2; // beside the matrix, in the bound
     for (const uint32_t rows : { 1u, 7u }) {
-        kvmem_graph_scorer stepped(be, store, keys_bf16 + rows*per_row + per_row/2);
+        kvmem_graph_scorer stepped(be, store, rows*per_row + per_row/2);
         KV_CHECK(stepped.rows_per_step(n_blocks) == rows);
         std::vector<float> s;
         stepped.score(slots, { qb.span(0, 7), qb.span(7, n_rows - 7) }, s);
