@@ -250,7 +250,6 @@ uint8_t * kvmem_stager::index_room(size_t bytes) {
 
 void kvmem_stager::run_graph() {
     const int64_t n = (int64_t) q.size();
-    const bool in = dir == direction::to_device;
     ggml_init_params params = { meta[half].size(), meta[half].data(), /*no_alloc*/ true };
     ggml_context * g = ggml_init(params);
     ggml_cgraph * gf = build_graph(g, dir, half, n);
