@@ -115,7 +115,7 @@ void kvmem_stager::record(ggml_backend_event_t ev, ggml_backend_t stream) const 
 void kvmem_stager::alloc_tensors(ggml_backend_buffer_type_t buft) {
     // the staging memory is viewed as rows of the pool's K type and of its V type (one 1-D base tensor of each type
     // over the same bytes); the constant row indices and each half's cell indices follow it
-    ggml_init_params params = { 6*ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
+    ggml_init_params params = { 5*ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
     ctx = ggml_init(params);
     const size_t total = (size_t) 2*cap*slot_bytes;
     auto make_base = [&](ggml_type type, const char * name) {
@@ -128,17 +128,14 @@ void kvmem_stager::alloc_tensors(ggml_backend_buffer_type_t buft) {
     base_v = make_base(layers[0].pool_v, "kvmem_stage_v");
     slot_tok  = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, block, cap);
     block_tok = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, block);
-    for (ggml_tensor *& c : cells) {
-        c = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) cap*block);
-    }
+    cells = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, (int64_t) cap*block, 2);
     const size_t align = ggml_backend_buft_get_alignment(buft);
     auto aligned = [align](size_t n) { return (n + align - 1)/align*align; };
     const size_t staging = aligned(std::max(ggml_backend_buft_get_alloc_size(buft, base_k), ggml_backend_buft_get_alloc_size(buft, base_v)));
     const size_t off_tok = staging;
     const size_t off_blk = off_tok + aligned(ggml_backend_buft_get_alloc_size(buft, slot_tok));
     const size_t off_cells = off_blk + aligned(ggml_backend_buft_get_alloc_size(buft, block_tok));
-    const size_t cells_bytes = aligned(ggml_backend_buft_get_alloc_size(buft, cells[0]));
-    const size_t size = off_cells + 2*cells_bytes;
+    const size_t size = off_cells + aligned(ggml_backend_buft_get_alloc_size(buft, cells));
     buf = ggml_backend_buft_alloc_buffer(buft, size);
     if (!buf) {
         throw std::runtime_error(format("kvmem: failed to allocate the staging buffer (%.1f MiB in %s)",
@@ -149,9 +146,7 @@ void kvmem_stager::alloc_tensors(ggml_backend_buffer_type_t buft) {
     GGML_ASSERT(ggml_backend_tensor_alloc(buf, base_v, base) == GGML_STATUS_SUCCESS);
     GGML_ASSERT(ggml_backend_tensor_alloc(buf, slot_tok, base + off_tok) == GGML_STATUS_SUCCESS);
     GGML_ASSERT(ggml_backend_tensor_alloc(buf, block_tok, base + off_blk) == GGML_STATUS_SUCCESS);
-    for (int h = 0; h < 2; ++h) {
-        GGML_ASSERT(ggml_backend_tensor_alloc(buf, cells[h], base + off_cells + h*cells_bytes) == GGML_STATUS_SUCCESS);
-    }
+    GGML_ASSERT(ggml_backend_tensor_alloc(buf, cells, base + off_cells) == GGML_STATUS_SUCCESS);
     std::vector<int32_t> tok32((size_t) block*cap);
     std::vector<int64_t> tok64(block);
     for (size_t i = 0; i < tok32.size(); ++i) {
@@ -186,15 +181,17 @@ void kvmem_stager::queue(direction d, queued item) {
     if (dir != d || q.size() == cap) {
         submit();
     }
+    if (q.empty()) {
+        // a round starts in `half`: what the copy stream puts there (its copies in, its cell indices) waits for the
+        // graph that last used the half, two rounds ago
+        wait_for(be_copy, used_by_graph[half]);
+    }
     dir = d;
     q.push_back(std::move(item));
 }
 
 void kvmem_stager::to_device(const uint8_t * host, const std::vector<uint32_t> & idx) {
     queue(direction::to_device, { host, nullptr, idx });
-    if (q.size() == 1) {
-        wait_for(be_copy, used_by_graph[half]); // the graph that read this half two rounds ago is done with it
-    }
     // the round's graph waits for its copies (run_graph)
     ggml_backend_tensor_set_async(be_copy, base_k, host, slot_offset(half, q.size() - 1), slot_bytes);
 }
@@ -215,7 +212,7 @@ ggml_cgraph * kvmem_stager::build_graph(ggml_context * g, direction d, int h, in
     ggml_cgraph * gf = ggml_new_graph_custom(g, graph_nodes(), false);
     // in: rows t of every staged slot (get_rows) into the cells (set_rows); out: the cells (get_rows) into rows t of
     // every staging slot (set_rows)
-    ggml_tensor * idx = ggml_view_1d(g, cells[h], n*block, 0);
+    ggml_tensor * idx = ggml_view_1d(g, cells, n*block, (size_t) h*cells->nb[1]);
     ggml_tensor * rows = in ? ggml_view_2d(g, slot_tok, block, n, slot_tok->nb[1], 0) : ggml_view_2d(g, block_tok, block, 1, ggml_nbytes(block_tok), 0);
     for (uint32_t lt = 0; lt < layers.size(); ++lt) {
         for (const bool is_v : { false, true }) {
@@ -262,11 +259,10 @@ void kvmem_stager::run_graph() {
             room[j*block + t] = (int32_t) q[j].idx[t];
         }
     }
-    // the cell indices go up on the copy stream, behind this round's copies in (or the last copies out of the
-    // half), once the graph that last used the half is done with its indices: an upload on the graph's stream queued
-    // behind the next round's copies in the same copy engine, and each graph then waited for the next round's copies
-    wait_for(be_copy, used_by_graph[half]);
-    ggml_backend_tensor_set_async(be_copy, cells[half], room, 0, idx_bytes);
+    // the cell indices go up on the copy stream (after the wait of queue()), behind this round's copies in or the
+    // last copies out of the half: an upload on the graph's stream queued behind the next round's copies in the same
+    // copy engine, and each graph then waited for the next round's copies
+    ggml_backend_tensor_set_async(be_copy, cells, room, (size_t) half*cells->nb[1], idx_bytes);
     record(used_by_copy[half], be_copy);
     wait_for(be, used_by_copy[half]);
     GGML_ASSERT(ggml_backend_graph_compute_async(be, gf) == GGML_STATUS_SUCCESS);

@@ -75,7 +75,7 @@ private:
     ggml_tensor * base_v = nullptr;
     ggml_tensor * slot_tok = nullptr;      // i32 [block, cap]: token t of every slot of a half (stage-in's get_rows)
     ggml_tensor * block_tok = nullptr;     // i64 [block]: token t of a slot (write-through's set_rows)
-    ggml_tensor * cells[2] = { nullptr, nullptr }; // i32 [block*cap]: each half's round's cell indices
+    ggml_tensor * cells = nullptr;         // i32 [block*cap, 2]: the cell indices of each half's round
     ggml_gallocr_t galloc = nullptr;
     // each half's graph's tensor and node structs: CUDA keys its cached graphs by the first node's address, so each
     // half keeps a graph of its own (one shared address would see its pointers change every round and never replay)
@@ -100,7 +100,7 @@ private:
     ggml_tensor * slot_rows(ggml_context * g, int h, uint32_t lt, bool is_v, int64_t n) const;
     size_t slot_offset(int h, size_t j) const { return ((size_t) h*cap + j)*slot_bytes; }
     size_t graph_nodes() const { return layers.size()*2*8 + 16; }
-    // the graph moving n blocks of half h in direction d (their cell indices: the first n*block of cells[h])
+    // the graph moving n blocks of half h in direction d (their cell indices: the first n*block of cells' row h)
     ggml_cgraph * build_graph(ggml_context * g, direction d, int h, int64_t n) const;
     void init_copy_stream();
     // stream `waiter` holds until `ev` (recorded by the other stream) has passed; nothing with one stream
