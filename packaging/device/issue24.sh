@@ -49,7 +49,7 @@ run)
     KVMEM_TEST_MODEL=/tmp/q35-tiny.gguf KVMEM_TEST_DEVICE=CUDA0 "$build/bin/test-kvmem" $suite 2>&1 | grep -v load_backend
   done | tee "$OUT/cuda-suites.txt"
   # the stager's stage-in throughput by staging size, next to plain copies of the same slots (no model)
-  KVMEM_TEST_DEVICE=CUDA0 "$build/bin/bench-kvmem-stager" "$OUT/stager-bench.json" 2>&1 | grep -v load_backend | tee "$OUT/stager-bench.txt"
+  KVMEM_TEST_DEVICE=CUDA0 "$build/bin/bench-kvmem-stager" "$OUT/stager-bench.json" 2>&1 | grep -v -e load_backend -e "CUDA graph warmup" | tee "$OUT/stager-bench.txt"
   fi
   # shellcheck disable=SC2086
   REPEATS=${REPEATS:-3} bash packaging/device/bench-cells.sh $CELLS
