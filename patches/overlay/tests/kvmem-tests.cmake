@@ -29,9 +29,11 @@ foreach (suite seq residency score lexical plan journal pool disk params summari
     set_property(TEST kvmem-${suite} PROPERTY LABELS kvmem)
 endforeach()
 
-# the stager's stage-in throughput for several staging sizes (a benchmark for a GPU host, not a test:
-# packaging/device/issue24.sh runs it with KVMEM_TEST_DEVICE=CUDA0)
-add_executable(bench-kvmem-stager ${CMAKE_CURRENT_LIST_DIR}/bench-kvmem-stager.cpp)
-target_include_directories(bench-kvmem-stager PRIVATE ${PROJECT_SOURCE_DIR}/src)
-target_link_libraries(bench-kvmem-stager PRIVATE llama ggml)
-target_compile_features(bench-kvmem-stager PRIVATE cxx_std_17)
+# the stager's stage-in throughput for several staging sizes, and the graph scorer's time with bf16 and f32
+# products (benchmarks for a GPU host, not tests: packaging/device/issue24.sh runs them with KVMEM_TEST_DEVICE=CUDA0)
+foreach (bench stager score)
+    add_executable(bench-kvmem-${bench} ${CMAKE_CURRENT_LIST_DIR}/bench-kvmem-${bench}.cpp)
+    target_include_directories(bench-kvmem-${bench} PRIVATE ${PROJECT_SOURCE_DIR}/src)
+    target_link_libraries(bench-kvmem-${bench} PRIVATE llama ggml)
+    target_compile_features(bench-kvmem-${bench} PRIVATE cxx_std_17)
+endforeach()

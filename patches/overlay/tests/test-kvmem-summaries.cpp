@@ -11,35 +11,6 @@
 #include <random>
 #include <vector>
 
-namespace {
-
-// host query rows ([row][layer][head][head_dim]) in a tensor on the backend, where the graph scorer reads them
-struct backend_rows {
-    kvmem_dims d;
-    ggml_context * ctx = nullptr;
-    ggml_backend_buffer_t buf = nullptr;
-    ggml_tensor * t = nullptr;
-
-    backend_rows(ggml_backend_t be, const kvmem_dims & dims, const std::vector<float> & rows) : d(dims) {
-        ggml_init_params params = { ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
-        ctx = ggml_init(params);
-        t = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, (int64_t) rows.size());
-        buf = ggml_backend_alloc_ctx_tensors(ctx, be);
-        ggml_backend_tensor_set(t, rows.data(), 0, ggml_nbytes(t));
-    }
-    ~backend_rows() {
-        ggml_backend_buffer_free(buf);
-        ggml_free(ctx);
-    }
-    // rows r0 .. r0 + n - 1
-    kvmem_graph_scorer::rows_span span(uint32_t r0, uint32_t n) const {
-        const size_t layer = (size_t) d.n_head*d.head_dim*sizeof(float);
-        return { t, (size_t) r0*d.query_row()*sizeof(float), d.query_row()*sizeof(float), layer, n };
-    }
-};
-
-} // namespace
-
 KV_SUITE(summaries) {
     ggml_backend_t be = kvtest::graph_backend(); // the CPU, or KVMEM_TEST_DEVICE
     KV_CHECK(be != nullptr);
@@ -88,7 +59,7 @@ KV_SUITE(summaries) {
         store.put(slots[b], sums[b].data());
     }
     kvmem_graph_scorer graph(be, store);
-    const backend_rows qb(be, d, q);
+    const kvtest::backend_rows qb(be, d, q);
     std::vector<float> dev_scores;
     graph.score(slots, { qb.span(0, n_rows) }, dev_scores);
     KV_CHECK(dev_scores.size() == (size_t) n_blocks);
@@ -159,7 +130,7 @@ KV_SUITE(summaries) {
     }
     std::vector<float> host_h, dev_h;
     mass.score(ptrs, std::vector<char>(n_blocks, 1), qh.data(), n_rows, host_h);
-    const backend_rows qhb(be, d, qh);
+    const kvtest::backend_rows qhb(be, d, qh);
     graph.score(slots, { qhb.span(0, n_rows) }, dev_h);
     double worst_h = 0.0;
     for (int b = 0; b < n_blocks; ++b) {

@@ -37,8 +37,10 @@ struct registrar {
 
 #include "ggml-backend.h"
 #include "llama-kvmem-pool.h"
+#include "llama-kvmem-summaries.h"
 
 #include <cstdlib>
+#include <vector>
 
 namespace kvtest {
 
@@ -68,5 +70,30 @@ inline kvmem_layer_rows f16_layer(ggml_context * ctx, uint32_t il, int64_t n_per
     l.pool_k = l.pool_v = pool;
     return l;
 }
+
+// host query rows ([row][layer][head][head_dim]) in a tensor on the backend, where the graph scorer reads them
+struct backend_rows {
+    kvmem_dims d;
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+    ggml_tensor * t = nullptr;
+
+    backend_rows(ggml_backend_t be, const kvmem_dims & dims, const std::vector<float> & rows) : d(dims) {
+        ggml_init_params params = { ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
+        ctx = ggml_init(params);
+        t = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, (int64_t) rows.size());
+        buf = ggml_backend_alloc_ctx_tensors(ctx, be);
+        ggml_backend_tensor_set(t, rows.data(), 0, ggml_nbytes(t));
+    }
+    ~backend_rows() {
+        ggml_backend_buffer_free(buf);
+        ggml_free(ctx);
+    }
+    // rows r0 .. r0 + n - 1
+    kvmem_graph_scorer::rows_span span(uint32_t r0, uint32_t n) const {
+        const size_t layer = (size_t) d.n_head*d.head_dim*sizeof(float);
+        return { t, (size_t) r0*d.query_row()*sizeof(float), d.query_row()*sizeof(float), layer, n };
+    }
+};
 
 } // namespace kvtest
