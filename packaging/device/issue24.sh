@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 24 on the H200 in one background job: build our sm_90 engine (default FA quants, no web UI; UPSTREAM=1
-# builds the unpatched pin too), run the stager/scorer suites and the stager benchmark on CUDA0, then the bench
-# cells, most wanted first.
+# builds the unpatched pin too), run the stager/scorer suites and the stager and scorer benchmarks on CUDA0 (the
+# scorer's kernels under ncu too), then the bench cells, most wanted first.
 #   call 1:    bash packaging/device/issue24.sh start     (carry: [".whl", ".kvmem"]; fill them with stage)
 #   calls 2..: bash packaging/device/issue24.sh wait 540  (returns when a step lands, the job ends, or after 540 s;
 #              what is done so far comes back in $OUT; issue the next call within the machine's 30 s idle window)
@@ -37,12 +37,12 @@ run)
   done
   kvmem engines --json > "$OUT/engines.json"
   # the stager's and the scorer's graphs on CUDA against the host's results (test-kvmem, built in the CUDA tree);
-  # SUITES=0 skips them and the stager benchmark
+  # SUITES=0 skips them and the two benchmarks
   if [ "${SUITES:-1}" != 0 ]; then
   # (a source pack carries no tests/ folder: the overlay's test files are copied into the unpacked tree)
   build=$(ls -d ~/.cache/kvmem/trees/*/build-cuda-* | head -1); src=$(dirname "$build")/src
   mkdir -p "$src/tests" && cp -rn patches/overlay/tests/. "$src/tests/"
-  cmake -S "$src" -B "$build" -DKVMEM_BUILD_TESTS=ON >/dev/null && ninja -C "$build" test-kvmem bench-kvmem-stager 2>&1 | tail -3
+  cmake -S "$src" -B "$build" -DKVMEM_BUILD_TESTS=ON >/dev/null && ninja -C "$build" test-kvmem bench-kvmem-stager bench-kvmem-score 2>&1 | tail -3
   # the recurrent snapshots' pinned rooms and queued copies, on a tiny synthetic qwen35 on the GPU
   kvmem synth --arch qwen35 --preset tiny --donor .kvmem/ggml-vocab-qwen35.gguf -o /tmp/q35-tiny.gguf --force | tail -1
   for suite in stager summaries queries readback snapshot; do
@@ -50,12 +50,18 @@ run)
   done | tee "$OUT/cuda-suites.txt"
   # the stager's stage-in throughput by staging size, next to plain copies of the same slots (no model)
   KVMEM_TEST_DEVICE=CUDA0 "$build/bin/bench-kvmem-stager" "$OUT/stager-bench.json" 2>&1 | grep -v -e load_backend -e "CUDA graph warmup" | tee "$OUT/stager-bench.txt"
+  # the graph scorer's time at 32K / 131K / 261K (no model), then its kernels at 261K under ncu (a warm-up and one
+  # repeat, of 128 and of 192 query rows)
+  KVMEM_TEST_DEVICE=CUDA0 "$build/bin/bench-kvmem-score" "$OUT/score-bench.json" 2>&1 | grep -v -e load_backend -e "CUDA graph warmup" | tee "$OUT/score-bench.txt"
+  KVMEM_TEST_DEVICE=CUDA0 timeout 240 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    "$build/bin/bench-kvmem-score" /dev/null 2043 1 > /tmp/ncu-score.csv 2>/dev/null
+  python3 packaging/device/ncu_kernels.py /tmp/ncu-score.csv | tee "$OUT/score-kernels.txt"
   fi
   # shellcheck disable=SC2086
   REPEATS=${REPEATS:-3} bash packaging/device/bench-cells.sh $CELLS
   echo "ALL DONE" ;;
 wait)
-  job_wait "$0" "${2:-540}" host.txt bench-notes.txt cuda-suites.txt stager-bench.txt
+  job_wait "$0" "${2:-540}" host.txt bench-notes.txt cuda-suites.txt stager-bench.txt score-bench.txt score-kernels.txt
   exec bash "$0" poll ;;
 poll)
   cp -r /tmp/out/. "$OUT"/ 2>/dev/null
