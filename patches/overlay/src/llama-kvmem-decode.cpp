@@ -271,11 +271,15 @@ int kvmem_decoder::recompute_turns() {
     // turns: select, then recompute the query span so that it (and the first token's logits) see the picks
     std::map<llama_seq_id, llama_pos> redo;
     for (const auto & [s, p] : parts) {
-        if (p.kind != kvmem_batch_kind::TURN || !km.select(s, kvmem_reason::TURN)) {
+        if (p.kind != kvmem_batch_kind::TURN) {
             continue;
         }
-        clock.turns++;
-        if (one_pass) {
+        const kvmem_selected done = km.select(s, kvmem_reason::TURN);
+        if (done == kvmem_selected::NOTHING) {
+            continue;
+        }
+        clock.turns++; // a scored turn has its TURN line, also when the working set already held its picks
+        if (one_pass || done == kvmem_selected::KEPT) {
             continue;
         }
         llama_pos q0 = -1, q1 = -1;

@@ -286,13 +286,13 @@ void llama_kvmem_cache::apply_target(llama_seq_id seq_id, kvmem_seq & st, const 
     }
 }
 
-bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
+kvmem_selected llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
     kvmem_seq * found = find_seq(seq_id);
     GGML_ASSERT(found && "a selection is for a sequence that decoded a batch");
     kvmem_seq & st = *found;
     if (!bring_home(seq_id, { seq_id })) { // its batch keeps it in the pool; this is the guard
         LLAMA_LOG_WARN("%s: kvmem: no selection for seq %d: %s\n", __func__, seq_id, get_last_error().c_str());
-        return false;
+        return kvmem_selected::NOTHING;
     }
     const llama_pos pos = kvmem_cells().seq_pos_max(seq_id) + 1;
     // a turn first gathers its question's query rows (device or host copies): part of the selection's time, said apart
@@ -305,13 +305,13 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
         if (reason == kvmem_reason::TURN) {
             schedule_event(seq_id, st, pos);
         }
-        return false;
+        return kvmem_selected::NOTHING;
     }
     const uint32_t share = share_blocks(seq_id);
     if (st.n_resident() == st.blocks.size() && st.blocks.size() < share) {
         // the whole history is resident and stays so (the share holds it and the partial tail): nothing to score
         log_fitting(seq_id, st, reason, pos, share, gather_ms);
-        return false;
+        return kvmem_selected::NOTHING;
     }
 
     // re-selections during generation are undone by a truncation below their position (a rejected draft)
@@ -386,7 +386,7 @@ bool llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reason) {
         trace_resident(seq_id, st, pos, reason);
     }
     publish();
-    return staged_in > 0;
+    return staged_in > 0 ? kvmem_selected::STAGED : kvmem_selected::KEPT;
 }
 
 void llama_kvmem_cache::log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_reason reason, llama_pos pos, uint32_t share,

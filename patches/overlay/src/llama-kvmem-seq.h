@@ -45,6 +45,13 @@ enum class kvmem_reason : uint8_t {
 
 const char * kvmem_reason_name(kvmem_reason reason);
 
+// what a selection did
+enum class kvmem_selected : uint8_t {
+    NOTHING, // nothing to score: no completed block, the whole history resident, or the sequence is in the pool
+    KEPT,    // scored: the working set already held the picks, nothing staged in
+    STAGED,  // scored, and blocks were staged in
+};
+
 // a completed block of a sequence: a slot of the host pool, maybe also cells of the working set
 struct kvmem_block {
     uint32_t slot     = 0;     // host pool slot

@@ -151,8 +151,8 @@ public:
     void after_ubatch(ggml_backend_sched_t sched, const llm_graph_result * res, const llama_ubatch & ubatch);
 
     // score the blocks of seq_id and make its working set sink + question + recent + top-k at its next position;
-    // returns true if blocks were staged in
-    bool select(llama_seq_id seq_id, kvmem_reason reason);
+    // says whether it scored and whether it staged blocks in
+    kvmem_selected select(llama_seq_id seq_id, kvmem_reason reason);
 
     // the position at which seq_id is re-selected next during generation (-1 = none) and why
     llama_pos    event_pos(llama_seq_id seq_id) const;
