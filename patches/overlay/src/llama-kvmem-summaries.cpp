@@ -154,8 +154,10 @@ kvmem_graph_scorer::graph kvmem_graph_scorer::build(size_t n_blocks_in, const st
                 qs = ggml_cont(ctx, ggml_permute(ctx, qs, 0, 1, 3, 2));
                 qs = ggml_reshape_3d(ctx, qs, d.head_dim, group*nr, d.n_head_kv);
                 ggml_tensor * kq = ggml_mul_mat(ctx, k, qs); // [keys, group*rows, kv heads]
-                kq = ggml_soft_max_ext(ctx, kq, nullptr, scale, 0.0f);
+                // each block's best chunk, then the softmax over those: the keys x rows logits are written once and
+                // read once (a softmax over every chunk first would read and write them once more)
                 ggml_tensor * best = ggml_pool_1d(ctx, kq, GGML_OP_POOL_MAX, n_ch, n_ch, 0); // [blocks, group*rows, kv heads]
+                best = ggml_soft_max_ext(ctx, best, nullptr, scale, 0.0f);
                 best = ggml_reshape_2d(ctx, ggml_sqr(ctx, best), n_blocks, group*nr*d.n_head_kv);
                 ggml_tensor * sum = ggml_sum_rows(ctx, ggml_cont(ctx, ggml_transpose(ctx, best))); // [1, blocks]
                 total = total ? ggml_add(ctx, total, sum) : sum;

@@ -85,9 +85,9 @@ public:
         uint32_t n;
     };
 
-    // out[i]: the score of the block in slots[i] for the query rows (the spans one after the other): the softmax
-    // attention of each (layer, head, row) over every chunk of these blocks, a block's share its best chunk's
-    // probability, squared, summed over (layer, head, row)
+    // out[i]: the score of the block in slots[i] for the query rows (the spans one after the other): for each
+    // (layer, head, row) the softmax over these blocks of each block's best chunk logit, squared, summed over
+    // (layer, head, row) -- kvmem_scorer's `mass`
     void score(const std::vector<uint32_t> & slots, const std::vector<rows_span> & rows, std::vector<float> & out);
 
     // query rows per graph step for this many blocks: as many as the step's bound holds, at least one

@@ -106,6 +106,22 @@ KV_SUITE(score) {
         mean1 += keys[t*DIMS.key_row() + 1]/8.0f;
     }
     KV_CHECK(std::fabs(out[DIMS.head_dim + 1] - mean1) < 1e-5f);
+
+    // a mass score is the square of the block's share of each (head, row), summed: the share is the softmax over the
+    // blocks of each block's best chunk logit. Block 0's chunks both hold 2*e0, block 1's hold 0 and e0; the query
+    // row is 3*e0 in both heads, so the best logits are 6s and 3s (s = 1/sqrt(head_dim)).
+    std::vector<std::vector<float>> two(2, std::vector<float>((size_t) DIMS.block*DIMS.key_row(), 0.0f));
+    for (uint32_t t = 0; t < DIMS.block; ++t) {
+        two[0][t*DIMS.key_row()] = 2.0f;
+        two[1][t*DIMS.key_row()] = t < 8 ? 0.0f : 1.0f;
+    }
+    const std::vector<std::vector<float>> two_sums = { summarize(mass, two[0]), summarize(mass, two[1]) };
+    std::vector<float> scores;
+    mass.score({ two_sums[0].data(), two_sums[1].data() }, { 1, 1 }, make_query().data(), 1, scores);
+    const double s = 1.0/std::sqrt((double) DIMS.head_dim);
+    const double share0 = 1.0/(1.0 + std::exp(-3.0*s));
+    KV_CHECK(std::fabs(scores[0] - 2*share0*share0) < 1e-5);
+    KV_CHECK(std::fabs(scores[1] - 2*(1 - share0)*(1 - share0)) < 1e-5);
 }
 
 namespace {
