@@ -34,7 +34,8 @@ time (none while a generating sequence's history stays
 resident for as long as its rows would be read: its re-selections are no-ops until then). `pinned` is the
 sequence's cells held whole in the working set outside the pool's blocks (images: their tokens share
 positions), never scored or evicted.
-TURN is the batch that ends a prompt (what the first token waits for), once per turn next to its SELECT line:
+TURN is the batch that ends a prompt (what the first token waits for), once per scored turn next to its SELECT
+line (also when the working set already held the picks: `recompute_tokens=0`; none when the history fits):
 `tokens` in it, decoded in `segments` passes (cut where a hybrid model's recurrent state is snapshotted), the host's
 time taking `snapshots` snapshots (`snapshot_ms`: the copies are queued on the device's stream, not waited for) and
 restoring one (`restore_ms`), the recomputed question span (`recompute_tokens`, `recompute_ms`), and `ms` the whole
