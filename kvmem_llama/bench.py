@@ -60,7 +60,7 @@ SELECTION_FIELDS = ("select_ms", "refresh_ms", "staged_in_blocks", "stage_ms", "
 # a selection's time by part, for engines that say (SELECT's plan_ms and the graph scorer's phases)
 PHASE_FIELDS = ("reason", "ms", "stage_ms", "score_ms", "plan_ms", "score_steps", "score_build_ms", "score_upload_ms",
                 "score_compute_ms", "gather_ms", "stage_wait_ms", "capture_ms", "capture_fetch_ms", "capture_write_ms",
-                "capture_ubatches")
+                "capture_ubatches", "decode_ms", "decodes")
 
 
 @dataclass

@@ -7,7 +7,8 @@
                  question=.. method=.. lexical=.. score_ms=.. capture_ms=.. plan_ms=.. score_steps=..
                  score_build_ms=.. score_upload_ms=.. score_compute_ms=.. gather_ms=.. stage_wait_ms=..
                  captured_q=.. pinned=.. capture_fetch_ms=.. capture_write_ms=.. capture_ubatches=..
-                 [fits=1: the whole history is resident, nothing was scored; no capture_fetch/write/ubatches]
+                 decode_ms=.. decodes=..
+                 [fits=1: the whole history is resident, nothing scored; no capture_* or decode_* fields]
     kvmem_score: TURN seq=.. tokens=.. segments=.. snapshots=.. snapshot_ms=.. restore_ms=.. recompute_tokens=..
                  recompute_ms=.. ms=..
     kvmem_score: FOLLOW seq=.. n_blocks=.. staged_in=.. staged_out=.. resident=.. target_resident=.. common=..
@@ -29,7 +30,10 @@ phase (zeros with the host scorer): `score_steps` graph steps of query rows per 
 and allocating the graph, `score_upload_ms` the block indices, `score_compute_ms` the graph and its scores back.
 `capture_ms` is the host time spent after ubatches (captures and write-through) since the previous SELECT
 line (over `capture_ubatches` ubatches; `capture_fetch_ms` of it reading the captured rows back with the wait for
-their copies, `capture_write_ms` the write-through of completed blocks), `captured_q` the query rows captured in that
+their copies, `capture_write_ms` the write-through of completed blocks), `decode_ms` the wall time of the `decodes`
+passes of llama's own decode in that time (the model's graph with our hooks, `capture_ms` included; what the time
+between two selections holds beyond them and the selection is the decode driver's and the application's),
+`captured_q` the query rows captured in that
 time (none while a generating sequence's history stays
 resident for as long as its rows would be read: its re-selections are no-ops until then). `pinned` is the
 sequence's cells held whole in the working set outside the pool's blocks (images: their tokens share

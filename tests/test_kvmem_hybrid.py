@@ -67,6 +67,8 @@ def test_qwen35_small_budget_long_prompt_selects_and_second_turn_reuses(llama_se
         assert s["gather_ms"] + s["score_ms"] + s["plan_ms"] + s["stage_ms"] <= s["ms"] + 0.01, s
         assert s["capture_ubatches"] >= 1, s
         assert s["capture_fetch_ms"] + s["capture_write_ms"] <= s["capture_ms"] + 0.01, s
+        # the captures run inside the decode passes, each pass one ubatch or more
+        assert 1 <= s["decodes"] <= s["capture_ubatches"] and s["capture_ms"] <= s["decode_ms"] + 0.01, s
     # each turn's last batch says where its time went, all within the batch's time
     turns = [e for e in kvmem_log.iter_events(log) if e["event"] == "TURN"]
     assert len(turns) == 2, turns

@@ -196,7 +196,9 @@ int kvmem_decoder::run_segment(size_t end) {
     if (!whole) {
         seg.tokens.assign(batch.tokens.begin() + start, batch.tokens.begin() + end);
     }
+    const int64_t t0 = ggml_time_us();
     const int ret = ctx.decode_impl(seg);
+    km.note_decode_pass(ggml_time_us() - t0);
     clock.segments++;
     if (ret == 0 && (!whole || !cuts.empty())) {
         std::vector<int64_t> index(end - start);
@@ -333,6 +335,7 @@ int kvmem_decoder::recompute_turns() {
     }
     const int64_t t0 = ggml_time_us();
     const int ret = ctx.decode_impl(tail);
+    km.note_decode_pass(ggml_time_us() - t0);
     if (ret == 0) {
         ctx.kvmem_collect_outputs(index, acc);
     }

@@ -374,13 +374,13 @@ kvmem_selected llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reaso
             "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s lexical=%u "
             "score_ms=%.3f capture_ms=%.3f plan_ms=%.3f score_steps=%u score_build_ms=%.3f score_upload_ms=%.3f "
             "score_compute_ms=%.3f gather_ms=%.3f stage_wait_ms=%.3f captured_q=%u pinned=%u capture_fetch_ms=%.3f "
-            "capture_write_ms=%.3f capture_ubatches=%u\n",
+            "capture_write_ms=%.3f capture_ubatches=%u decode_ms=%.3f decodes=%u\n",
             seq_id, st.n_blocks(), geom.budget_blocks, share, plan.n_sink, plan.n_recent, plan.picks.size(), staged_in,
             staged_out, reused, plan.n_rows, ms, stage_ms, (double) staged_in*ws_block_bytes()/1024.0/1024.0,
             kvmem_reason_name(reason), pos, plan.n_question, kvmem_scorer::method_name(scorer->method()), plan.n_lexical,
             score_us/1000.0, capture.us/1000.0, (t_stage - t_start - score_us)/1000.0 - gather_ms, gt.n_steps, gt.build_us/1000.0,
             gt.upload_us/1000.0, gt.compute_us/1000.0, gather_ms, stage_wait_ms, capture.q_rows, st.n_pinned_cells(),
-            capture.fetch_us/1000.0, capture.write_us/1000.0, capture.ubatches);
+            capture.fetch_us/1000.0, capture.write_us/1000.0, capture.ubatches, capture.decode_us/1000.0, capture.decodes);
     capture = {};
     if (kp.trace) {
         trace_resident(seq_id, st, pos, reason);

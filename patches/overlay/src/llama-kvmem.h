@@ -190,6 +190,10 @@ public:
     // stage anything in (identity with tiering off needs no recompute)
     bool may_stage(uint32_t n_new) const;
 
+    // the wall time of one of llama's own decode passes (the model's graph, with our hooks): the next SELECT line
+    // says how much of the time between selections the passes took, the rest being ours and the application's
+    void note_decode_pass(int64_t us) { capture.decode_us += us; capture.decodes++; }
+
     // hybrid models: the recurrent state next to the tiered attention layers (snapshotted before prompt
     // batches so that the turn's query span can be recomputed after a selection)
     void attach_recurrent(llama_memory_recurrent * recr) { recurrent_mem = recr; }
@@ -362,10 +366,11 @@ private:
     };
     counters totals;
     // host time spent after ubatches since the last SELECT line (which says it), by part: reading the captured rows
-    // back (with the wait for their copies), the write-through of completed blocks; the query rows captured
+    // back (with the wait for their copies), the write-through of completed blocks; the query rows captured; and
+    // the decode passes in that time (note_decode_pass)
     struct {
-        int64_t us = 0, fetch_us = 0, write_us = 0;
-        uint32_t ubatches = 0, q_rows = 0;
+        int64_t us = 0, fetch_us = 0, write_us = 0, decode_us = 0;
+        uint32_t ubatches = 0, q_rows = 0, decodes = 0;
     } capture;
     bool host_full_logged = false;
 
