@@ -8,7 +8,7 @@
                  score_build_ms=.. score_upload_ms=.. score_compute_ms=.. gather_ms=.. stage_wait_ms=..
                  captured_q=.. pinned=.. capture_fetch_ms=.. capture_write_ms=.. capture_ubatches=..
                  decode_ms=.. decodes=..
-                 [fits=1: the whole history is resident, nothing scored; no capture_* or decode_* fields]
+                 [fits=1: the whole history is resident, nothing scored; no score_*, plan_ms or stage_wait_ms]
     kvmem_score: TURN seq=.. tokens=.. segments=.. snapshots=.. snapshot_ms=.. restore_ms=.. recompute_tokens=..
                  recompute_ms=.. ms=..
     kvmem_score: FOLLOW seq=.. n_blocks=.. staged_in=.. staged_out=.. resident=.. target_resident=.. common=..

@@ -270,3 +270,7 @@ def test_nothing_is_selected_while_the_history_fits(llama_server, smollm2) -> No
     assert {s["reason"] for s in selects} >= {"turn", "refresh"}
     for s in selects:
         assert (s.get("fits"), s["scored"], s["staged_in"], s["staged_out"], s["ms"]) == (1, 0, 0, 0, 0.0), s
+        # the time since the previous line is broken down as on a scored line: the passes, the captures inside them
+        assert 1 <= s["decodes"] <= s["capture_ubatches"], s
+        assert s["capture_fetch_ms"] + s["capture_write_ms"] <= s["capture_ms"] + 0.01, s
+        assert s["capture_ms"] <= s["decode_ms"] + 0.01, s

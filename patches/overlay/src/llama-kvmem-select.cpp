@@ -403,9 +403,11 @@ void llama_kvmem_cache::log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_r
     totals.last_ms = 0.0;
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=0 recent=0 scored=0 staged_in=0 "
             "staged_out=0 reused=%zu query_tokens=0 ms=0.000 stage_ms=0.000 stage_mib=0.0 reason=%s pos=%d question=0 "
-            "method=%s lexical=0 fits=1 capture_ms=%.3f gather_ms=%.3f captured_q=%u pinned=%u\n", seq_id,
+            "method=%s lexical=0 fits=1 capture_ms=%.3f gather_ms=%.3f captured_q=%u pinned=%u capture_fetch_ms=%.3f "
+            "capture_write_ms=%.3f capture_ubatches=%u decode_ms=%.3f decodes=%u\n", seq_id,
             st.n_blocks(), geom.budget_blocks, share, st.blocks.size(), kvmem_reason_name(reason), pos,
-            kvmem_scorer::method_name(scorer->method()), capture.us/1000.0, gather_ms, capture.q_rows, st.n_pinned_cells());
+            kvmem_scorer::method_name(scorer->method()), capture.us/1000.0, gather_ms, capture.q_rows, st.n_pinned_cells(),
+            capture.fetch_us/1000.0, capture.write_us/1000.0, capture.ubatches, capture.decode_us/1000.0, capture.decodes);
     capture = {};
     publish();
 }
