@@ -166,8 +166,7 @@ void llama_kvmem_cache::set_query_span(llama_seq_id seq_id, llama_pos p0, llama_
     kvmem_seq & st = open_seq(seq_id);
     app_marks_prompts = true;
     st.prompt_mark = st.phase() != kvmem_phase::PROMPT; // a call inside a prompt (its next batch) marks nothing new
-    st.hint_p0 = p0 >= 0 && p1 > p0 ? p0 : -1;
-    st.hint_p1 = st.hint_p0 >= 0 ? p1 : -1;
+    st.set_hint(p0, p1);
 }
 
 void llama_kvmem_cache::release_seq(llama_seq_id seq_id) {

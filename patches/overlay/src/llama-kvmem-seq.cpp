@@ -61,6 +61,11 @@ void kvmem_seq::start_turn(llama_pos pos, llama_pos q0, llama_pos q1) {
     phase_ = kvmem_phase::GEN;
 }
 
+void kvmem_seq::set_hint(llama_pos p0, llama_pos p1) {
+    hint_p1 = p1 > 0 && p1 > p0 ? p1 : -1;
+    hint_p0 = hint_p1 >= 0 && p0 >= 0 ? p0 : -1;
+}
+
 bool kvmem_seq::wants_query_rows(llama_pos last, uint32_t reach) const {
     return phase_ != kvmem_phase::PROMPT || hint_p1 < 0 || last + (llama_pos) reach >= hint_p1;
 }

@@ -146,8 +146,8 @@ public:
     // many cells): a turn's query span starts after it, since only token ids can be decoded again
     llama_pos embd_end    = -1;
 
-    llama_pos hint_p0     = -1;    // the application's start of the last user message (one prompt)
-    llama_pos hint_p1     = -1;    // and its end
+    llama_pos hint_p0     = -1;    // the application's start of the last user message (one prompt; -1: unknown)
+    llama_pos hint_p1     = -1;    // and its end, the prompt's (-1: unknown)
     bool      prompt_mark = false; // the application said a new prompt starts
     bool      released    = false; // the application is done with it for now: others may take its cells
     bool      squeezed    = false; // this prompt lost blocks within its share to another's (logged once)
@@ -169,6 +169,10 @@ public:
     // whose last user message the application named, for ubatches ending more than `reach` tokens before that
     // message's end (the turn's query is the prompt's last tokens; a long prompt's early ubatches are not read back)
     bool wants_query_rows(llama_pos last, uint32_t reach) const;
+
+    // what the application says of the prompt about to be decoded: its last user message [p0, p1), or only its end
+    // p1 (p0 < 0: a prompt without messages); p1 <= p0 or p1 <= 0 clears
+    void set_hint(llama_pos p0, llama_pos p1);
 
     // transitions
     void start_prompt(bool selects_in_prompt, llama_pos p0); // -> PROMPT; the previous turn's picks become ordinary

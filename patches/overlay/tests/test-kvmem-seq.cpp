@@ -19,11 +19,19 @@ KV_SUITE(seq) {
     KV_CHECK(st.classify(1, 1, true, false) == kvmem_batch_kind::TURN);
     KV_CHECK(st.classify(7, 1, true, false) == kvmem_batch_kind::TURN);
 
-    // the query rows of a prompt's ubatches: all of them, unless the application named the last user message; then
-    // those that end within reach of its end (and every row during generation)
+    // the query rows of a prompt's ubatches: all of them, unless the application named the prompt's end (with the
+    // last user message or alone); then those that end within reach of it (and every row during generation)
     KV_CHECK(st.wants_query_rows(10, 384));
-    st.hint_p0 = 500;
-    st.hint_p1 = 580;
+    // a prompt without messages names only its end: the same ubatches, and the query is the prompt's last tokens
+    st.set_hint(-1, 580);
+    KV_CHECK(st.hint_p0 == -1 && st.hint_p1 == 580);
+    KV_CHECK(!st.wants_query_rows(195, 384) && st.wants_query_rows(196, 384) && st.query_start(580, 64) == 516);
+    st.set_hint(-1, -1);
+    KV_CHECK(st.hint_p1 == -1 && st.wants_query_rows(10, 384));
+    st.set_hint(580, 500); // an empty span says nothing
+    KV_CHECK(st.hint_p0 == -1 && st.hint_p1 == -1);
+    st.set_hint(500, 580);
+    KV_CHECK(st.hint_p0 == 500 && st.hint_p1 == 580);
     KV_CHECK(!st.wants_query_rows(195, 384) && st.wants_query_rows(196, 384) && st.wants_query_rows(599, 384));
 
     // a turn's query: the prompt's last tokens, from the named user message on, and never an image's embeddings
