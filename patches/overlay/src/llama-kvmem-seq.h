@@ -166,8 +166,8 @@ public:
     kvmem_batch_kind classify(uint32_t n, uint32_t n_out, bool last_out, bool app_marks_prompts) const;
 
     // whether the query rows of a ubatch ending at position `last` can be a turn's: always, except inside a prompt
-    // whose last user message the application named, for ubatches ending more than `reach` tokens before that
-    // message's end (the turn's query is the prompt's last tokens; a long prompt's early ubatches are not read back)
+    // whose end the application named (set_hint), for ubatches ending more than `reach` tokens before that end
+    // (the turn's query is the prompt's last tokens; a long prompt's early ubatches are not read back)
     bool wants_query_rows(llama_pos last, uint32_t reach) const;
 
     // what the application says of the prompt about to be decoded: its last user message [p0, p1), or only its end

@@ -198,7 +198,7 @@ public:
     // batches so that the turn's query span can be recomputed after a selection)
     void attach_recurrent(llama_memory_recurrent * recr) { recurrent_mem = recr; }
     llama_memory_recurrent * recurrent() const { return recurrent_mem; }
-    // where the application said the prompt's last user message ends (-1: it did not)
+    // where the application said the prompt ends (-1: it did not)
     llama_pos hinted_prompt_end(llama_seq_id seq_id) const;
     // snapshots the recurrent state of seq_id at pos (the copies queued on sched's backends; the newest two kept)
     void take_snapshot(ggml_backend_sched_t sched, llama_seq_id seq_id, llama_pos pos);
