@@ -373,20 +373,24 @@ kvmem_selected llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reaso
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=%u recent=%u scored=%zu staged_in=%u "
             "staged_out=%u reused=%u query_tokens=%u ms=%.3f stage_ms=%.3f stage_mib=%.1f reason=%s pos=%d question=%u method=%s lexical=%u "
             "score_ms=%.3f capture_ms=%.3f plan_ms=%.3f score_steps=%u score_build_ms=%.3f score_upload_ms=%.3f "
-            "score_compute_ms=%.3f gather_ms=%.3f stage_wait_ms=%.3f captured_q=%u pinned=%u capture_fetch_ms=%.3f "
-            "capture_write_ms=%.3f capture_ubatches=%u decode_ms=%.3f decodes=%u\n",
+            "score_compute_ms=%.3f gather_ms=%.3f stage_wait_ms=%.3f %s\n",
             seq_id, st.n_blocks(), geom.budget_blocks, share, plan.n_sink, plan.n_recent, plan.picks.size(), staged_in,
             staged_out, reused, plan.n_rows, ms, stage_ms, (double) staged_in*ws_block_bytes()/1024.0/1024.0,
             kvmem_reason_name(reason), pos, plan.n_question, kvmem_scorer::method_name(scorer->method()), plan.n_lexical,
             score_us/1000.0, capture.us/1000.0, (t_stage - t_start - score_us)/1000.0 - gather_ms, gt.n_steps, gt.build_us/1000.0,
-            gt.upload_us/1000.0, gt.compute_us/1000.0, gather_ms, stage_wait_ms, capture.q_rows, st.n_pinned_cells(),
-            capture.fetch_us/1000.0, capture.write_us/1000.0, capture.ubatches, capture.decode_us/1000.0, capture.decodes);
+            gt.upload_us/1000.0, gt.compute_us/1000.0, gather_ms, stage_wait_ms, capture_fields(st).c_str());
     capture = {};
     if (kp.trace) {
         trace_resident(seq_id, st, pos, reason);
     }
     publish();
     return staged_in > 0 ? kvmem_selected::STAGED : kvmem_selected::KEPT;
+}
+
+std::string llama_kvmem_cache::capture_fields(const kvmem_seq & st) const {
+    return format("captured_q=%u pinned=%u capture_fetch_ms=%.3f capture_write_ms=%.3f capture_ubatches=%u "
+            "decode_ms=%.3f decodes=%u", capture.q_rows, st.n_pinned_cells(), capture.fetch_us/1000.0,
+            capture.write_us/1000.0, capture.ubatches, capture.decode_us/1000.0, capture.decodes);
 }
 
 void llama_kvmem_cache::log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_reason reason, llama_pos pos, uint32_t share,
@@ -403,11 +407,9 @@ void llama_kvmem_cache::log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_r
     totals.last_ms = 0.0;
     LLAMA_LOG_WARN("kvmem_score: SELECT seq=%d n_blocks=%d budget_blocks=%u share=%u sink=0 recent=0 scored=0 staged_in=0 "
             "staged_out=0 reused=%zu query_tokens=0 ms=0.000 stage_ms=0.000 stage_mib=0.0 reason=%s pos=%d question=0 "
-            "method=%s lexical=0 fits=1 capture_ms=%.3f gather_ms=%.3f captured_q=%u pinned=%u capture_fetch_ms=%.3f "
-            "capture_write_ms=%.3f capture_ubatches=%u decode_ms=%.3f decodes=%u\n", seq_id,
+            "method=%s lexical=0 fits=1 capture_ms=%.3f gather_ms=%.3f %s\n", seq_id,
             st.n_blocks(), geom.budget_blocks, share, st.blocks.size(), kvmem_reason_name(reason), pos,
-            kvmem_scorer::method_name(scorer->method()), capture.us/1000.0, gather_ms, capture.q_rows, st.n_pinned_cells(),
-            capture.fetch_us/1000.0, capture.write_us/1000.0, capture.ubatches, capture.decode_us/1000.0, capture.decodes);
+            kvmem_scorer::method_name(scorer->method()), capture.us/1000.0, gather_ms, capture_fields(st).c_str());
     capture = {};
     publish();
 }

@@ -262,6 +262,8 @@ private:
     void apply_target(llama_seq_id seq_id, kvmem_seq & st, const std::set<int32_t> & target, kvmem_journal * journal,
             uint32_t & staged_in, uint32_t & staged_out, uint32_t & reused);
     // the whole history is resident and stays so: the selection is a no-op, logged as SELECT ... fits=1
+    // the SELECT line's fields of the time since the previous one (captures, decode passes) and the pinned cells
+    std::string capture_fields(const kvmem_seq & st) const;
     void log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_reason reason, llama_pos pos, uint32_t share,
             double gather_ms);
     void schedule_event(llama_seq_id seq_id, kvmem_seq & st, llama_pos pos);
