@@ -6,8 +6,8 @@
                  staged_out=.. reused=.. query_tokens=.. ms=.. stage_ms=.. stage_mib=.. reason=.. pos=..
                  question=.. method=.. lexical=.. score_ms=.. capture_ms=.. plan_ms=.. score_steps=..
                  score_build_ms=.. score_upload_ms=.. score_compute_ms=.. gather_ms=.. stage_wait_ms=..
-                 captured_q=.. pinned=.. capture_fetch_ms=.. capture_write_ms=.. capture_ubatches=..
-                 decode_ms=.. decodes=..
+                 captured_q=.. image_blocks=.. image_resident=.. capture_fetch_ms=.. capture_write_ms=..
+                 capture_ubatches=.. decode_ms=.. decodes=..
                  [fits=1: the whole history is resident, nothing scored; no score_*, plan_ms or stage_wait_ms]
     kvmem_score: TURN seq=.. tokens=.. segments=.. snapshots=.. snapshot_ms=.. restore_ms=.. recompute_tokens=..
                  recompute_ms=.. ms=..
@@ -35,9 +35,9 @@ passes of llama's own decode in that time (the model's graph with our hooks, `ca
 between two selections holds beyond them and the selection is the decode driver's and the application's),
 `captured_q` the query rows captured in that
 time (none while a generating sequence's history stays
-resident for as long as its rows would be read: its re-selections are no-ops until then). `pinned` is the
-sequence's cells held whole in the working set outside the pool's blocks (images: their tokens share
-positions), never scored or evicted.
+resident for as long as its rows would be read: its re-selections are no-ops until then). `image_blocks` counts the
+sequence's blocks that hold an image (its tokens share an M-RoPE position, so it lies in one block that moves,
+is scored and comes back whole, weighing its host slots), `image_resident` those of them in the working set.
 TURN is the batch that ends a prompt (what the first token waits for), once per scored turn next to its SELECT
 line (also when the working set already held the picks: `recompute_tokens=0`; none when the history fits):
 `tokens` in it, decoded in `segments` passes (cut where a hybrid model's recurrent state is snapshotted), the host's

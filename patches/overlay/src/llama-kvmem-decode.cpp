@@ -288,7 +288,10 @@ int kvmem_decoder::recompute_turns() {
         km.turn_query_span(s, batch.tokens[p.last].pos[0] + 1, q0, q1);
         llama_pos from = q0;
         if (km.recurrent()) {
+            // from the state before the question, else before this batch (a prompt decoded before, sent again: its
+            // last tokens are this batch, the rest of the question was read with the whole history resident)
             const kvmem_snapshot * snap = km.snapshot_at(s, q0);
+            snap = snap ? snap : km.snapshot_at(s, p.p0);
             if (!snap) {
                 continue; // no recurrent state to recompute from: the selection applies from the next token
             }

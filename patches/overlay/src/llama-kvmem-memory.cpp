@@ -92,12 +92,13 @@ void llama_kvmem_cache::remember_tokens(llama_seq_id seq_id, const std::vector<k
 
 bool llama_kvmem_cache::admit_embeddings(llama_seq_id seq_id, uint32_t n_embd, llama_pos end) {
     kvmem_seq & st = open_seq(seq_id);
-    const uint32_t held = st.n_pinned_cells();
-    const uint32_t need = held + n_embd + geom.floor_share()*kp.block;
+    // an image is in the working set whole, next to the sink and the recent window, while it is read and whenever
+    // it is retrieved
+    const uint32_t need = n_embd + geom.floor_share()*kp.block;
     if (need > kp.budget) {
         set_last_error(format("an image of %u tokens does not fit the KV tiering working set (--kvmem-budget %u): "
-                "it stays whole on the GPU, next to the %u image tokens this conversation holds and its sink and "
-                "recent window; this needs --kvmem-budget %u or more (or a smaller image)", n_embd, kp.budget, held,
+                "its tokens are on the GPU together, next to the conversation's sink and recent window, whenever it "
+                "is read or retrieved; this needs --kvmem-budget %u or more (or a smaller image)", n_embd, kp.budget,
                 kvmem_div_up(need, kp.block)*kp.block));
         return false;
     }
@@ -205,7 +206,6 @@ void llama_kvmem_cache::drop_host_blocks(llama_seq_id seq_id, int32_t b0) {
         it = st->blocks.erase(it);
     }
     st->lexicon.remove_from(b0);
-    st->pinned.erase(st->pinned.lower_bound(b0), st->pinned.end());
     st->next_host = std::min(st->next_host, b0);
 }
 
@@ -277,7 +277,6 @@ bool llama_kvmem_cache::seq_rm_impl(llama_seq_id seq_id, llama_pos p0, llama_pos
                 st->blocks.erase(it);
                 st->lexicon.remove(b);
             }
-            st->pinned.erase(b);
         }
         return ok;
     }

@@ -340,6 +340,13 @@ bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ub
             pmax[ub.seq_id[i][0]] = it == pmax.end() ? ub.pos[i] : std::max(it->second, ub.pos[i]);
         }
     }
+    // an image's cells share positions: its block takes a slot per B of them, on top of its positions' count
+    std::map<llama_seq_id, uint32_t> embd_cells;
+    for (size_t u = 0; u < n_ubatches; ++u) {
+        for (uint32_t i = 0; ubatches[u].embd && i < ubatches[u].n_tokens; ++i) {
+            embd_cells[ubatches[u].seq_id[i][0]]++;
+        }
+    }
     std::set<llama_seq_id> keep;
     uint32_t need = 0, back = 0;
     use_clock++;
@@ -348,7 +355,7 @@ bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ub
         kvmem_seq * st = find_seq(s);
         const int32_t next = st ? st->next_host : 0;
         const int32_t done = (p + 1)/(int32_t) kp.block;
-        need += done > next ? done - next : 0;
+        need += (done > next ? done - next : 0) + kvmem_div_up(embd_cells[s], kp.block);
         if (st) {
             st->last_used = use_clock;
             back += n_on_disk(*st);
@@ -407,17 +414,15 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
             continue;
         }
         const std::vector<uint32_t> idx = block_cells(seq_id, b);
-        bool whole = (int32_t) idx.size() == B; // one cell at each of the block's positions (a pool slot's layout)
-        for (int32_t t = 0; whole && t < B; ++t) {
-            whole = cells.pos_get(idx[t]) == b*B + t;
+        if (idx.empty()) {
+            continue; // positions an image spans without cells of their own
         }
-        if (!whole) {
-            // an image's block (or not a whole block in the working set, e.g. after a restore): stays GPU-only
-            st.pinned[b] = (uint32_t) idx.size();
-            continue;
+        bool regular = (int32_t) idx.size() == B; // one cell at each of the block's positions
+        for (int32_t t = 0; regular && t < B; ++t) {
+            regular = cells.pos_get(idx[t]) == b*B + t;
         }
         kvmem_block hb;
-        if (!pool.take(hb.slot)) {
+        if (!take_slots(hb, kvmem_div_up((uint32_t) idx.size(), (uint32_t) B))) {
             if (!host_full_logged) {
                 LLAMA_LOG_ERROR("%s: kvmem host pool is full; raise --kvmem-host-mib\n", __func__);
                 host_full_logged = true;
@@ -425,11 +430,17 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
             break;
         }
         hb.resident = true;
-        hb.ext.resize(B);
-        for (int32_t t = 0; t < B; ++t) {
+        hb.ext.resize(idx.size());
+        for (size_t t = 0; t < idx.size(); ++t) {
             hb.ext[t] = cells.ext_get(idx[t]);
+            if (!regular) {
+                hb.pos.push_back(cells.pos_get(idx[t])); // an image's block (its cells share positions)
+            }
         }
-        copier.to_host(pool_bytes(hb), idx);
+        copy_block(hb, idx, /*to_dev*/ false);
+        if (kp.trace && hb.irregular()) {
+            LLAMA_LOG_WARN("kvmem_trace: image seq=%d block=%d cells=%zu slots=%u\n", seq_id, b, idx.size(), hb.n_slots());
+        }
         st.blocks.emplace(b, std::move(hb));
         const auto toks = st.rows.tokens.find(b);
         if (toks != st.rows.tokens.end()) {
@@ -439,6 +450,36 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
     }
     copier.wait();
     st.next_host = std::max(st.next_host, done);
+}
+
+bool llama_kvmem_cache::take_slots(kvmem_block & hb, uint32_t n) {
+    if (pool.n_free() < n) {
+        return false;
+    }
+    GGML_ASSERT(n >= 1 && pool.take(hb.slot));
+    hb.more_slots.resize(n - 1);
+    for (uint32_t & slot : hb.more_slots) {
+        GGML_ASSERT(pool.take(slot));
+    }
+    return true;
+}
+
+void llama_kvmem_cache::copy_block(const kvmem_block & hb, const std::vector<uint32_t> & idx, bool to_dev) {
+    // slot j holds cells [j*B, (j+1)*B) of the block; a last slot of fewer cells repeats its last cell, so every
+    // copy moves whole slots and the repeated rows, copied back, write that cell's own rows again
+    const uint32_t B = kp.block;
+    GGML_ASSERT(!idx.empty() && idx.size() == hb.ext.size() && kvmem_div_up((uint32_t) idx.size(), B) == hb.n_slots());
+    if (idx.size() == B) {
+        to_dev ? copier.to_device(pool_bytes(hb), idx) : copier.to_host(pool_bytes(hb), idx);
+        return;
+    }
+    for (uint32_t j = 0; j < hb.n_slots(); ++j) {
+        std::vector<uint32_t> part(idx.begin() + (size_t) j*B, idx.begin() + std::min<size_t>(idx.size(), (size_t) (j + 1)*B));
+        part.resize(B, part.back());
+        uint8_t * host = pool.slot_ptr(j == 0 ? hb.slot : hb.more_slots[j - 1]);
+        GGML_ASSERT(!hb.on_disk && "a block on disk is brought back before its bytes are read");
+        to_dev ? copier.to_device(host, part) : copier.to_host(host, part);
+    }
 }
 
 std::vector<uint32_t> llama_kvmem_cache::block_cells(llama_seq_id seq_id, int32_t b) const {
@@ -483,7 +524,7 @@ std::vector<uint32_t> llama_kvmem_cache::free_run(uint32_t n) const {
 }
 
 std::vector<std::vector<uint32_t>> llama_kvmem_cache::place_stage_ins(llama_seq_id seq_id,
-        const std::vector<int32_t> & leaving, size_t n_in) {
+        const std::vector<int32_t> & leaving, const std::vector<uint32_t> & sizes) {
     const auto & cells = kvmem_cells();
     std::vector<char> is_free(cells.size());
     for (uint32_t i = 0; i < cells.size(); ++i) {
@@ -495,8 +536,9 @@ std::vector<std::vector<uint32_t>> llama_kvmem_cache::place_stage_ins(llama_seq_
         }
     }
     std::vector<std::vector<uint32_t>> placed;
-    while (placed.size() < n_in) {
-        std::vector<uint32_t> idx = kvmem_free_cells(cells.size(), kp.block, stage_hint, [&is_free](uint32_t i) { return is_free[i] != 0; });
+    while (placed.size() < sizes.size()) {
+        std::vector<uint32_t> idx = kvmem_free_cells(cells.size(), sizes[placed.size()], stage_hint,
+                [&is_free](uint32_t i) { return is_free[i] != 0; });
         if (idx.empty()) {
             break;
         }
@@ -510,7 +552,7 @@ std::vector<std::vector<uint32_t>> llama_kvmem_cache::place_stage_ins(llama_seq_
 }
 
 bool llama_kvmem_cache::stage_in(llama_seq_id seq_id, int32_t b, kvmem_block & hb, kvmem_journal * journal) {
-    const std::vector<uint32_t> idx = free_run(kp.block);
+    const std::vector<uint32_t> idx = free_run((uint32_t) hb.ext.size());
     if (idx.empty()) {
         return false;
     }
@@ -520,10 +562,9 @@ bool llama_kvmem_cache::stage_in(llama_seq_id seq_id, int32_t b, kvmem_block & h
 
 bool llama_kvmem_cache::stage_in_at(llama_seq_id seq_id, int32_t b, kvmem_block & hb, const std::vector<uint32_t> & idx,
         kvmem_journal * journal) {
-    const int32_t B = kp.block;
     auto & cells = kvmem_cells();
     GGML_ASSERT(!hb.resident && "a block is staged in once");
-    if ((int32_t) idx.size() != B) {
+    if (idx.size() != hb.ext.size()) {
         return false;
     }
     for (const uint32_t i : idx) {
@@ -531,19 +572,18 @@ bool llama_kvmem_cache::stage_in_at(llama_seq_id seq_id, int32_t b, kvmem_block 
             return false;
         }
     }
-    copier.to_device(pool_bytes(hb), idx);
+    copy_block(hb, idx, /*to_dev*/ true);
     book_stage_in(seq_id, b, hb, idx, journal);
     return true;
 }
 
 void llama_kvmem_cache::book_stage_in(llama_seq_id seq_id, int32_t b, kvmem_block & hb, const std::vector<uint32_t> & idx,
         kvmem_journal * journal) {
-    const int32_t B = kp.block;
     auto & cells = kvmem_cells();
-    GGML_ASSERT(!hb.resident && (int32_t) idx.size() == B && "a block is staged in once, into a block of cells");
-    for (int32_t t = 0; t < B; ++t) {
+    GGML_ASSERT(!hb.resident && idx.size() == hb.ext.size() && "a block is staged in once, into as many cells as it has");
+    for (size_t t = 0; t < idx.size(); ++t) {
         GGML_ASSERT(cells.is_empty(idx[t]) && "a stage-in takes free cells");
-        cells.pos_set(idx[t], b*B + t);
+        cells.pos_set(idx[t], hb.cell_pos(b, kp.block, (uint32_t) t));
         cells.ext_set(idx[t], hb.ext[t]);
         cells.seq_add(idx[t], seq_id);
     }

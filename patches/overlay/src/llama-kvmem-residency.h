@@ -46,8 +46,8 @@ class kvmem_residency {
 public:
     explicit kvmem_residency(const kvmem_geometry & geometry) : g(geometry) {}
 
-    // the sequence's part of the budget in pool blocks: the active sequences share it equally, less the cells each
-    // holds whole (images), each keeps at least its floor
+    // the sequence's part of the budget in pool blocks: the active sequences share it equally, each keeps at least
+    // its floor (a block of an image counts its slots against it)
     uint32_t share_blocks(const kvmem_seqs & seqs, llama_seq_id seq_id) const;
 
     // blocks that never leave: the sinks; while a turn is answered also its question and its newest blocks

@@ -67,8 +67,10 @@ bool llama_kvmem_cache::wants_query_rows(const llama_ubatch & ubatch) const {
 bool llama_kvmem_cache::fits_through(llama_seq_id seq_id, const kvmem_seq & st, llama_pos until) const {
     // by `until` the history has at most until/B + 1 blocks; one block under the share keeps the partial tail
     // (the no-op test of a selection, log_fitting)
-    return st.phase() == kvmem_phase::GEN && (uint32_t) (until/kp.block) + 1 < share_blocks(seq_id) &&
-        st.n_resident() == st.blocks.size();
+    // (an image's block weighs its slots: what it adds over one block per position counts too)
+    const uint32_t extra = st.n_slots() - std::min<uint32_t>(st.n_slots(), (uint32_t) st.blocks.size());
+    return st.phase() == kvmem_phase::GEN && (uint32_t) (until/kp.block) + 1 + extra < share_blocks(seq_id) &&
+        st.all_resident();
 }
 
 void llama_kvmem_cache::fetch_captures(ggml_backend_sched_t sched, const llm_graph_result * res, uint32_t n_tokens,
@@ -123,32 +125,51 @@ void llama_kvmem_cache::capture_keys(const llama_ubatch & ubatch) {
         }
         return;
     }
-    std::map<llama_seq_id, std::map<llama_pos, uint32_t>> in_ubatch; // position -> token of this ubatch
+    // position -> the ubatch's tokens there (one, or an image's many)
+    std::map<llama_seq_id, std::map<llama_pos, std::vector<uint32_t>>> in_ubatch;
     for (uint32_t i = 0; i < nt; ++i) {
-        in_ubatch[ubatch.seq_id[i][0]][ubatch.pos[i]] = i;
+        in_ubatch[ubatch.seq_id[i][0]][ubatch.pos[i]].push_back(i);
     }
+    const size_t per_row = (size_t) n_lt*per_k;
     for (auto & [s, toks] : in_ubatch) {
         kvmem_seq & st = open_seq(s);
-        const llama_pos keep_from = std::max<llama_pos>(0, (toks.rbegin()->first/B - 1)*B);
-        const kvmem_key_rows key_row = [&](llama_pos pos, uint32_t lt) -> const float * {
+        const llama_pos reached = toks.rbegin()->first;
+        const llama_pos keep_from = std::max<llama_pos>(0, (reached/B - 1)*B);
+        // an image's cells may come in several ubatches: the earlier ones' rows first, then this ubatch's; a token's
+        // position decoded again (text) is this ubatch's alone
+        const kvmem_key_rows key_row = [&](llama_pos pos, uint32_t lt, uint32_t k) -> const float * {
+            const auto kr = st.rows.key.find(pos);
+            const uint32_t n_kept = kr == st.rows.key.end() || !ubatch.embd ? 0 : (uint32_t) (kr->second.size()/per_row);
             const auto it = toks.find(pos);
             if (it != toks.end()) {
-                return cap_k[lt] + (size_t) it->second*per_k;
+                return k < n_kept ? kr->second.data() + k*per_row + (size_t) lt*per_k :
+                       k - n_kept < it->second.size() ? cap_k[lt] + (size_t) it->second[k - n_kept]*per_k : nullptr;
             }
-            const auto kr = st.rows.key.find(pos);
-            return kr == st.rows.key.end() ? nullptr : kr->second.data() + (size_t) lt*per_k;
+            return kr == st.rows.key.end() || (k + 1)*per_row > kr->second.size() ? nullptr :
+                kr->second.data() + k*per_row + (size_t) lt*per_k;
         };
-        for (int32_t blk = toks.begin()->first/B; blk <= toks.rbegin()->first/B; ++blk) {
-            build_summary(st, blk, key_row);
+        // the blocks this ubatch completes, and an image's block that the positions it spans completed meanwhile
+        const llama_pos oldest_kept = st.rows.key.empty() ? toks.begin()->first : st.rows.key.begin()->first;
+        const int32_t first = std::min(toks.begin()->first, oldest_kept)/B;
+        for (int32_t blk = first; blk <= reached/B; ++blk) {
+            const auto hb = st.blocks.find(blk);
+            const bool known = st.rows.summary.count(blk) || (hb != st.blocks.end() && hb->second.summarized);
+            if (blk >= toks.begin()->first/B || !known) {
+                build_summary(s, st, blk, reached, key_row);
+            }
         }
         st.rows.key.erase(st.rows.key.begin(), st.rows.key.lower_bound(keep_from));
         for (auto it = toks.lower_bound(keep_from); it != toks.end(); ++it) {
             auto & row = st.rows.key[it->first];
-            row.clear();
-            row.reserve((size_t) n_lt*per_k);
-            for (uint32_t lt = 0; lt < n_lt; ++lt) {
-                const float * src = cap_k[lt] + (size_t) it->second*per_k;
-                row.insert(row.end(), src, src + per_k);
+            if (!ubatch.embd) {
+                row.clear(); // a token's position decoded again
+            }
+            row.reserve(row.size() + it->second.size()*per_row);
+            for (const uint32_t i : it->second) {
+                for (uint32_t lt = 0; lt < n_lt; ++lt) {
+                    const float * src = cap_k[lt] + (size_t) i*per_k;
+                    row.insert(row.end(), src, src + per_k);
+                }
             }
         }
     }
@@ -201,27 +222,48 @@ void llama_kvmem_cache::capture_queries(const llama_ubatch & ubatch) {
     }
 }
 
-void llama_kvmem_cache::build_summary(kvmem_seq & st, int32_t b, const kvmem_key_rows & key_row) {
-    // a block is summarized when its last token has been computed; rows missing at its start are those of a block
-    // cut by a truncation deep in the history, whose old summary fills in for the tokens that did not change
+void llama_kvmem_cache::build_summary(llama_seq_id seq_id, kvmem_seq & st, int32_t b, llama_pos reached,
+        const kvmem_key_rows & key_row) {
+    // a block is summarized when the sequence has reached its last position; rows missing at its start are those of
+    // a block cut by a truncation deep in the history, whose old summary fills in for the tokens that did not change
     const int32_t B = kp.block;
-    if (!key_row((b + 1)*B - 1, 0)) {
+    if (reached < (b + 1)*B - 1) {
         return; // not complete (yet)
     }
-    const auto stale = st.rows.stale.find(b);
+    const std::vector<uint32_t> cells = block_cells(seq_id, b);
+    bool regular = (int32_t) cells.size() == B;
+    for (int32_t t = 0; regular && t < B; ++t) {
+        regular = kvmem_cells().pos_get(cells[t]) == b*B + t;
+    }
     // the rows are read where they were captured (a 27B model's block is 8 MB of them: no copy)
-    std::vector<const float *> rows((size_t) B*dims.n_lt, nullptr);
+    std::vector<const float *> rows;
     bool complete = true;
-    for (int32_t t = 0; t < B; ++t) {
-        if (!key_row(b*B + t, 0)) {
-            complete = false;
-            continue;
+    if (regular || cells.empty()) {
+        rows.assign((size_t) B*dims.n_lt, nullptr);
+        for (int32_t t = 0; t < B; ++t) {
+            if (!key_row(b*B + t, 0, 0)) {
+                complete = false;
+                continue;
+            }
+            for (uint32_t lt = 0; lt < dims.n_lt; ++lt) {
+                rows[(size_t) t*dims.n_lt + lt] = key_row(b*B + t, lt, 0);
+            }
         }
-        for (uint32_t lt = 0; lt < dims.n_lt; ++lt) {
-            rows[(size_t) t*dims.n_lt + lt] = key_row(b*B + t, lt);
+    } else {
+        // an image's block: every cell's row, position by position (no truncation keeps part of it)
+        for (int32_t t = 0; t < B; ++t) {
+            for (uint32_t k = 0; key_row(b*B + t, 0, k); ++k) {
+                for (uint32_t lt = 0; lt < dims.n_lt; ++lt) {
+                    rows.push_back(key_row(b*B + t, lt, k));
+                }
+            }
+        }
+        if (rows.size() != cells.size()*dims.n_lt) {
+            return; // rows missing (a restored state): no summary rather than a wrong one
         }
     }
-    if (!complete && stale == st.rows.stale.end()) {
+    const auto stale = st.rows.stale.find(b);
+    if (!complete && (stale == st.rows.stale.end() || !regular)) {
         return; // rows missing for another reason (a restored state): no summary rather than a wrong one
     }
     auto & out = st.rows.summary[b];

@@ -71,7 +71,8 @@ void kvmem_scorer::summarize(const float * keys, float * out) const {
 }
 
 void kvmem_scorer::summarize(const std::vector<const float *> & rows, float * out, const float * old, uint32_t n_same) const {
-    GGML_ASSERT(rows.size() == (size_t) d.block*d.n_lt);
+    GGML_ASSERT(!rows.empty() && rows.size() % d.n_lt == 0 && (!old || rows.size() == (size_t) d.block*d.n_lt));
+    const uint32_t n_tok = (uint32_t) (rows.size()/d.n_lt);
     const uint32_t hd = d.head_dim;
     const uint32_t n_pages = (meth == LLAMA_KVMEM_METHOD_QUEST || meth == LLAMA_KVMEM_METHOD_MEANKEY) ? 1 : d.block/sub;
     const uint32_t page = d.block/n_pages;
@@ -92,7 +93,9 @@ void kvmem_scorer::summarize(const std::vector<const float *> & rows, float * ou
                     std::fill(op + hd, op + 2*hd, INFINITY);
                 }
                 uint32_t n = 0;
-                for (uint32_t t = p*page; t < (p + 1)*page; ++t) {
+                // page p: the tokens t with t*n_pages/n_tok == p (a block's own pages when n_tok is B)
+                const uint32_t t0 = (p*n_tok + n_pages - 1)/n_pages, t1 = ((p + 1)*n_tok + n_pages - 1)/n_pages;
+                for (uint32_t t = t0; t < t1; ++t) {
                     const float * row = rows[(size_t) t*d.n_lt + lt];
                     if (!row) {
                         continue; // cut off by a truncation: the page is summarized from the tokens that are known

@@ -29,8 +29,9 @@ struct kvmem_dims {
     size_t query_row() const { return (size_t) n_lt*n_head*head_dim; }
 };
 
-// key_row(pos, lt): the layer-lt part of the key row of position pos, nullptr when it is not known
-using kvmem_key_rows = std::function<const float * (llama_pos pos, uint32_t lt)>;
+// key_row(pos, lt, k): the layer-lt part of the key row of the k-th cell at position pos (an image's cells share
+// one), nullptr when it is not known
+using kvmem_key_rows = std::function<const float * (llama_pos pos, uint32_t lt, uint32_t k)>;
 
 class kvmem_scorer {
 public:
@@ -49,7 +50,8 @@ public:
     // rows[t*n_lt + lt]: layer lt's key row ([kv head][head_dim]) of the block's token t in [0, block), read where
     // it was captured; nullptr when the token is not known (a block cut by a truncation): then the chunks of `old`
     // (a summary of the block before the cut) that lie within its first n_same tokens are kept, and the others are
-    // summarized from the rows that are known
+    // summarized from the rows that are known. A block of another number of cells (an image's) gives its rows in
+    // cell order, its pages spread over them evenly (no `old`)
     void summarize(const std::vector<const float *> & rows, float * out, const float * old = nullptr,
             uint32_t n_same = 0) const;
     // a whole block from rows one token after another ([t][layer][kv head][head_dim])

@@ -62,24 +62,34 @@ kvmem_query kvmem_query_rows(const kvmem_seq & st, uint32_t query_tokens) {
 }
 
 // the blocks every selection keeps: the sink, the question (newest blocks of it first), the recent window
+// b joins the target if its slots fit under `cap` (false: it is in already, or does not fit)
+static bool kvmem_plan_add(const kvmem_seq & st, int32_t b, size_t cap, kvmem_plan & plan) {
+    const uint32_t w = st.blocks.at(b).n_slots();
+    if (plan.target.count(b) || plan.weight + w > cap) {
+        return false;
+    }
+    plan.target.insert(b);
+    plan.weight += w;
+    return true;
+}
+
 static void kvmem_plan_fixed(const kvmem_geometry & g, const kvmem_seq & st, uint32_t avail, kvmem_plan & plan) {
     const int32_t B = g.block;
     for (const auto & [b, hb] : st.blocks) {
-        if ((uint32_t) b < g.sink_blocks && plan.target.size() < avail) {
-            plan.target.insert(b);
+        if ((uint32_t) b < g.sink_blocks && kvmem_plan_add(st, b, avail, plan)) {
             plan.n_sink++;
         }
     }
     if (st.turn.q0 >= 0) {
-        for (int32_t b = (st.turn.q1 - 1)/B; b >= st.turn.q0/B && plan.target.size() < avail; --b) {
-            if (st.blocks.count(b) && plan.target.insert(b).second) {
+        for (int32_t b = (st.turn.q1 - 1)/B; b >= st.turn.q0/B; --b) {
+            if (st.blocks.count(b) && kvmem_plan_add(st, b, avail, plan)) {
                 plan.n_question++;
             }
         }
     }
     // the newest blocks (those the question already covers count: the window does not grow past them)
-    for (auto it = st.blocks.rbegin(); it != st.blocks.rend() && plan.n_recent < g.recent_blocks && plan.target.size() < avail; ++it) {
-        plan.target.insert(it->first);
+    for (auto it = st.blocks.rbegin(); it != st.blocks.rend() && plan.n_recent < g.recent_blocks && plan.weight < avail; ++it) {
+        kvmem_plan_add(st, it->first, avail, plan);
         plan.n_recent++;
     }
 }
@@ -180,14 +190,13 @@ kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, 
     }
     size_t ia = 0, il = 0, n_order = 0;
     bool lex_turn = false;
-    while (plan.target.size() < cap && (ia < ranked.size() || il < lex.size())) {
+    while (plan.weight < cap && (ia < ranked.size() || il < lex.size())) {
         const bool from_lex = il < lex.size() && (lex_turn || ia >= ranked.size());
         const int32_t b = from_lex ? lex[il++].second : ranked[ia++].second;
-        if (plan.target.count(b)) {
+        if (!kvmem_plan_add(st, b, cap, plan)) {
             continue;
         }
         lex_turn = !from_lex;
-        plan.target.insert(b);
         plan.n_lexical += from_lex ? 1 : 0;
         if (!scorer.scores() || plan.n_rows == 0) {
             continue; // recency: the extended window has no picks
@@ -198,6 +207,11 @@ kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, 
             LLAMA_LOG_WARN("kvmem_trace: pick seq=%d block=%d score=%.4f lexical=%d\n", seq_id, b,
                     att.count(b) ? att[b] : 0.0f, (int) from_lex);
         }
+    }
+    // blocks nobody could rank (no summary: their keys were not all captured) take the room that is left; inside a
+    // prompt that room is the prompt's own
+    for (auto it = st.blocks.rbegin(); reason != kvmem_reason::PREFILL && it != st.blocks.rend() && plan.weight < cap; ++it) {
+        kvmem_plan_add(st, it->first, cap, plan);
     }
     return plan;
 }
@@ -266,9 +280,13 @@ void llama_kvmem_cache::apply_target(llama_seq_id seq_id, kvmem_seq & st, const 
             leaving.push_back(b);
         }
     }
-    const std::vector<std::vector<uint32_t>> placed = place_stage_ins(seq_id, leaving, coming.size());
+    std::vector<uint32_t> sizes;
+    for (const int32_t b : coming) {
+        sizes.push_back((uint32_t) st.blocks.at(b).ext.size());
+    }
+    const std::vector<std::vector<uint32_t>> placed = place_stage_ins(seq_id, leaving, sizes);
     for (size_t j = 0; j < placed.size(); ++j) {
-        copier.to_device(pool_bytes(st.blocks.at(coming[j])), placed[j]);
+        copy_block(st.blocks.at(coming[j]), placed[j], /*to_dev*/ true);
     }
     for (const int32_t b : leaving) {
         evict_block(seq_id, b, st.blocks.at(b), journal);
@@ -308,7 +326,7 @@ kvmem_selected llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reaso
         return kvmem_selected::NOTHING;
     }
     const uint32_t share = share_blocks(seq_id);
-    if (st.n_resident() == st.blocks.size() && st.blocks.size() < share) {
+    if (st.all_resident() && st.n_slots() < share) {
         // the whole history is resident and stays so (the share holds it and the partial tail): nothing to score
         log_fitting(seq_id, st, reason, pos, share, gather_ms);
         return kvmem_selected::NOTHING;
@@ -388,9 +406,14 @@ kvmem_selected llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reaso
 }
 
 std::string llama_kvmem_cache::capture_fields(const kvmem_seq & st) const {
-    return format("captured_q=%u pinned=%u capture_fetch_ms=%.3f capture_write_ms=%.3f capture_ubatches=%u "
-            "decode_ms=%.3f decodes=%u", capture.q_rows, st.n_pinned_cells(), capture.fetch_us/1000.0,
-            capture.write_us/1000.0, capture.ubatches, capture.decode_us/1000.0, capture.decodes);
+    uint32_t images = 0, images_resident = 0; // blocks that hold an image (its cells share positions)
+    for (const auto & [b, hb] : st.blocks) {
+        images += hb.irregular() ? 1 : 0;
+        images_resident += hb.irregular() && hb.resident ? 1 : 0;
+    }
+    return format("captured_q=%u image_blocks=%u image_resident=%u capture_fetch_ms=%.3f capture_write_ms=%.3f "
+            "capture_ubatches=%u decode_ms=%.3f decodes=%u", capture.q_rows, images, images_resident,
+            capture.fetch_us/1000.0, capture.write_us/1000.0, capture.ubatches, capture.decode_us/1000.0, capture.decodes);
 }
 
 void llama_kvmem_cache::log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_reason reason, llama_pos pos, uint32_t share,
@@ -420,7 +443,7 @@ void llama_kvmem_cache::schedule_event(llama_seq_id seq_id, kvmem_seq & st, llam
     // count of decodes: speculative batches are cut there (llama-kvmem-decode.cpp)
     const int32_t B = kp.block;
     const int64_t allowance = (int64_t) share_blocks(seq_id)*B + kp.gen_reserve;
-    const int64_t used = (int64_t) st.n_resident()*B + pos % B; // an image's cells are not in the share
+    const int64_t used = (int64_t) st.n_resident()*B + pos % B;
     const int64_t room = std::max<int64_t>(1, allowance - used); // the cells left before the sequence's part is full
     const int64_t every = kp.refresh > 0 ? (int64_t) kp.refresh : std::numeric_limits<int32_t>::max();
     st.next_is_room = room < every;

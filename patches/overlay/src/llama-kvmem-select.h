@@ -16,6 +16,7 @@
 
 struct kvmem_plan {
     std::set<int32_t> target;      // the blocks the sequence holds after the selection
+    uint32_t weight = 0;            // their slots (a block of an image weighs more than one)
     std::map<int32_t, float> picks; // the picked ones among them, with the priority they leave by (lowest first)
     uint32_t n_sink = 0, n_question = 0, n_recent = 0, n_rows = 0, n_lexical = 0;
 };
@@ -49,9 +50,10 @@ using kvmem_score_fn = std::function<void(const std::vector<int32_t> & ids, cons
 // the host scorer over the sequence's host summaries
 kvmem_score_fn kvmem_host_scores(const kvmem_seq & st, const kvmem_scorer & scorer);
 
-// sink + question + recent + top-k by score until `share` blocks (one of them the partial tail); inside a
-// prompt the picks take at most half of what the sink and the recent window leave. hybrid: every other pick is
-// the next block that shares the question's rare words (attention first). trace: log every pick.
+// sink + question + recent + top-k by score until `share` blocks (one of them the partial tail; a block weighs its
+// slots); inside a prompt the picks take at most half of what the sink and the recent window leave. hybrid: every
+// other pick is the next block that shares the question's rare words (attention first). Room the ranked blocks
+// leave goes to blocks without a summary, newest first. trace: log every pick.
 kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, uint32_t share, kvmem_reason reason,
         const kvmem_scorer & scorer, const kvmem_score_fn & scores, uint32_t query_tokens, bool trace,
         llama_seq_id seq_id);

@@ -88,18 +88,18 @@ llama_pos kvmem_seq::query_start(llama_pos end, uint32_t n_q) const {
     return p0;
 }
 
-uint32_t kvmem_seq::n_pinned_cells() const {
+uint32_t kvmem_seq::n_resident() const {
     uint32_t n = 0;
-    for (const auto & [b, cells] : pinned) {
-        n += cells;
+    for (const auto & [b, hb] : blocks) {
+        n += hb.resident ? hb.n_slots() : 0;
     }
     return n;
 }
 
-uint32_t kvmem_seq::n_resident() const {
+uint32_t kvmem_seq::n_slots() const {
     uint32_t n = 0;
     for (const auto & [b, hb] : blocks) {
-        n += hb.resident ? 1 : 0;
+        n += hb.n_slots();
     }
     return n;
 }

@@ -52,16 +52,27 @@ enum class kvmem_selected : uint8_t {
     STAGED,  // scored, and blocks were staged in
 };
 
-// a completed block of a sequence: a slot of the host pool, maybe also cells of the working set
+// a completed block of a sequence: slots of the host pool, maybe also cells of the working set. Most blocks are B
+// cells at positions b*B + t in one slot. A block that holds an image is not: the image's tokens share an M-RoPE
+// position (many cells at one position) and the positions it spans after that have no cells. Such a block keeps
+// each cell's position and takes as many slots as its cells need (cell t in slot t/B, row t%B); it moves, is scored
+// and comes back as one unit, and costs its slots in the sequence's share.
 struct kvmem_block {
-    uint32_t slot     = 0;     // host pool slot
+    uint32_t slot     = 0;     // host pool slot (the first, where a summary in the store lives)
+    std::vector<uint32_t> more_slots; // the slots after the first, of a block of more than B cells
+    std::vector<llama_pos> pos;       // per cell, when the block is not one cell at each of its B positions
     bool     resident = false; // its cells are in the working set
     bool     picked   = false; // chosen by the score of the last selection (picks leave lowest score first)
     float    score    = 0.0f;
     bool     summarized = false; // its summary is in the summary store's slot, the only copy (not in rows.summary)
     bool     on_disk  = false; // in the disk tier's record disk_rec (with its summary), not in the pool (slot is free)
     uint32_t disk_rec = 0;
-    std::vector<llama_kv_cell_ext> ext; // per token (M-RoPE positions)
+    std::vector<llama_kv_cell_ext> ext; // per cell (M-RoPE positions)
+
+    uint32_t n_slots() const { return 1 + (uint32_t) more_slots.size(); } // its weight in a share of blocks
+    bool     irregular() const { return !pos.empty(); }
+    // the position of cell t of block b (B cells per block)
+    llama_pos cell_pos(int32_t b, uint32_t B, uint32_t t) const { return pos.empty() ? b*(llama_pos) B + (llama_pos) t : pos[t]; }
 };
 
 // the undo record of a re-selection during generation: a truncation below `pos` (a rejected speculative draft)
@@ -125,10 +136,6 @@ class kvmem_seq {
 public:
     std::map<int32_t, kvmem_block> blocks; // completed blocks in the host pool, by block index
     int32_t next_host = 0;                 // first block index not yet written through
-    // completed blocks that are not B cells (an image: its tokens share M-RoPE positions, and the positions it
-    // skips leave gaps): they stay whole in the working set and never go to the host pool; by block, their cells
-    std::map<int32_t, uint32_t> pinned;
-    uint32_t n_pinned_cells() const;
 
     kvmem_seq_rows rows;
     kvmem_turn     turn;
@@ -184,7 +191,10 @@ public:
     // when the application named it, and after the last image (its embeddings cannot be decoded again)
     llama_pos query_start(llama_pos end, uint32_t n_q) const;
 
+    // the resident blocks and all blocks, each counted by its slots (an image's block weighs more than one)
     uint32_t n_resident() const;
+    uint32_t n_slots() const;
+    bool     all_resident() const { return n_resident() == n_slots(); }
     int32_t  n_blocks() const { return blocks.empty() ? 0 : blocks.rbegin()->first + 1; }
     // picked = in picks and resident; score = its pick score
     void set_picks(const std::map<int32_t, float> & picks);

@@ -13,6 +13,11 @@
 #include <stdexcept>
 #include <tuple>
 
+// a disk record holds one slot: a block of more slots (an image's) stays in the host pool
+static bool kvmem_may_spill(const kvmem_block & hb) {
+    return !hb.on_disk && hb.more_slots.empty();
+}
+
 void llama_kvmem_cache::init_disk() {
     if (leader || kp.disk_path.empty()) {
         return; // a draft's cache follows its target, whose blocks it mirrors in its own pool
@@ -35,6 +40,10 @@ void llama_kvmem_cache::release_storage(kvmem_block & hb) {
         hb.on_disk = false;
     } else {
         pool.give(hb.slot);
+        for (const uint32_t slot : hb.more_slots) {
+            pool.give(slot);
+        }
+        hb.more_slots.clear();
     }
 }
 
@@ -50,6 +59,7 @@ uint32_t llama_kvmem_cache::n_on_disk(const kvmem_seq & st) const {
 }
 
 bool llama_kvmem_cache::spill(kvmem_block & hb, std::string & err) {
+    GGML_ASSERT(kvmem_may_spill(hb));
     uint32_t rec = 0;
     if (!disk.take(rec)) {
         err = format("the disk tier is full (%u blocks, %.1f MiB under %s)", disk.capacity(),
@@ -70,11 +80,16 @@ bool llama_kvmem_cache::spill(kvmem_block & hb, std::string & err) {
 }
 
 uint32_t llama_kvmem_cache::n_spillable(const std::set<llama_seq_id> & keep) const {
+    if (!disk.enabled()) {
+        return 0;
+    }
     uint32_t n = 0;
     for (const auto & [s, st] : seqs) {
-        n += keep.count(s) ? 0 : (uint32_t) st.blocks.size() - n_on_disk(st);
+        for (const auto & [b, hb] : st.blocks) {
+            n += !keep.count(s) && kvmem_may_spill(hb) ? 1 : 0;
+        }
     }
-    return disk.enabled() ? n : 0;
+    return n;
 }
 
 bool llama_kvmem_cache::make_host_room(uint32_t need, const std::set<llama_seq_id> & keep) {
@@ -87,7 +102,7 @@ bool llama_kvmem_cache::make_host_room(uint32_t need, const std::set<llama_seq_i
     // group least recently used first
     std::vector<std::pair<std::tuple<int, uint64_t>, llama_seq_id>> order;
     for (const auto & [s, st] : seqs) {
-        if (!keep.count(s) && st.blocks.size() > n_on_disk(st)) {
+        if (!keep.count(s) && std::any_of(st.blocks.begin(), st.blocks.end(), [](const auto & e) { return kvmem_may_spill(e.second); })) {
             const int group = st.released ? 0 : st.phase() == kvmem_phase::IDLE ? 1 : 2;
             order.push_back({ { group, st.last_used }, s });
         }
@@ -98,7 +113,7 @@ bool llama_kvmem_cache::make_host_room(uint32_t need, const std::set<llama_seq_i
         std::vector<int32_t> blocks; // out of the working set first, then the resident ones, each oldest first
         for (const int pass : { 0, 1 }) {
             for (const auto & [b, hb] : st.blocks) {
-                if (!hb.on_disk && hb.resident == (pass == 1)) {
+                if (kvmem_may_spill(hb) && hb.resident == (pass == 1)) {
                     blocks.push_back(b);
                 }
             }

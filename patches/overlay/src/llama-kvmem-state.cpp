@@ -28,7 +28,7 @@
 #endif
 
 static constexpr uint32_t KVMEM_STATE_MAGIC   = 0x544d564b; // "KVMT"
-static constexpr uint32_t KVMEM_STATE_VERSION = 1;
+static constexpr uint32_t KVMEM_STATE_VERSION = 2; // 2: blocks of images (their cells' positions, several slots)
 
 template <typename T>
 static void kvmem_put(llama_io_write_i & io, const T & v) {
@@ -144,11 +144,13 @@ void llama_kvmem_cache::write_seq(llama_io_write_i & io, llama_seq_id seq_id, co
     kvmem_put(io, seq_id);
     kvmem_put(io, st.next_host);
     kvmem_put<uint32_t>(io, st.blocks.size());
+    kvmem_put<uint32_t>(io, st.n_slots());
     for (const auto & [b, hb] : st.blocks) {
         kvmem_put(io, b);
         kvmem_put<uint8_t>(io, hb.picked);
         kvmem_put(io, hb.score);
         kvmem_put_vec(io, hb.ext);
+        kvmem_put_vec(io, hb.pos);
         if (hb.on_disk) { // read where it waits
             std::vector<uint8_t> bytes;
             std::vector<float> summary;
@@ -158,6 +160,9 @@ void llama_kvmem_cache::write_seq(llama_io_write_i & io, llama_seq_id seq_id, co
             continue;
         }
         io.write(pool_bytes(hb), pool.block_bytes());
+        for (const uint32_t slot : hb.more_slots) {
+            io.write(pool.slot_ptr(slot), pool.block_bytes());
+        }
         kvmem_put_vec(io, hb.summarized ? block_summary(st, b) : std::vector<float>()); // from the summary store
     }
     // the summaries kept here (the host scorer's, blocks not in the pool yet), the newest key rows (to rebuild a
@@ -223,26 +228,35 @@ void llama_kvmem_cache::state_read(llama_io_read_i & io, llama_seq_id seq_id, ll
     for (auto & [s, st] : seqs) {
         if (seq_id == -1 || s == seq_id) {
             for (auto & [b, hb] : st.blocks) {
-                hb.resident = block_cells(s, b).size() == kp.block;
+                hb.resident = block_cells(s, b).size() == hb.ext.size();
             }
-            repin(s, st);
+            find_images(st);
         }
     }
     stage_hint = hint < get_size() ? hint : 0;
     publish();
 }
 
-void llama_kvmem_cache::repin(llama_seq_id seq_id, kvmem_seq & st) const {
-    // the blocks held only in the working set (images) are not in a saved state: found again from the cells, and
-    // a turn's query starts after the last of them (an image's embeddings cannot be decoded again)
-    st.pinned.clear();
-    for (int32_t b = 0; b < st.next_host; ++b) {
-        const size_t n = st.blocks.count(b) ? 0 : block_cells(seq_id, b).size();
-        if (n > 0) {
-            st.pinned[b] = (uint32_t) n;
+void llama_kvmem_cache::check_block_cells(int32_t b, const kvmem_block & hb) const {
+    // one cell per position, or (an image's block) each cell's position inside the block
+    const llama_pos p0 = b*(llama_pos) kp.block, p1 = p0 + (llama_pos) kp.block;
+    const bool ok = b >= 0 && (hb.pos.empty() ? hb.ext.size() == kp.block : hb.pos.size() == hb.ext.size() &&
+            std::is_sorted(hb.pos.begin(), hb.pos.end()) && hb.pos.front() >= p0 && hb.pos.back() < p1);
+    if (!ok) {
+        throw std::runtime_error(format("a tiered state's block %d holds %zu cells at %zu positions that are not its "
+                "own: the file is corrupt", b, hb.ext.size(), hb.pos.size()));
+    }
+}
+
+void llama_kvmem_cache::find_images(kvmem_seq & st) const {
+    // a turn's query starts after the last image (its embeddings cannot be decoded again): the end of the last block
+    // that holds one
+    st.embd_end = -1;
+    for (const auto & [b, hb] : st.blocks) {
+        if (hb.irregular()) {
+            st.embd_end = (b + 1)*(llama_pos) kp.block;
         }
     }
-    st.embd_end = st.pinned.empty() ? -1 : (st.pinned.rbegin()->first + 1)*(llama_pos) kp.block;
 }
 
 void llama_kvmem_cache::refuse_state_of_follower() const {
@@ -308,25 +322,34 @@ void llama_kvmem_cache::read_seq(llama_io_read_i & io, llama_seq_id seq_id) {
     kvmem_seq & st = open_seq(seq_id);
     st.next_host = kvmem_take<int32_t>(io);
     const uint32_t n_blocks = kvmem_take<uint32_t>(io);
-    const bool room = n_blocks <= pool.n_free() || (n_blocks <= pool.n_free() + n_spillable({ seq_id }) &&
-            make_host_room(n_blocks, { seq_id }));
+    const uint32_t n_slots  = kvmem_take<uint32_t>(io);
+    const bool room = n_slots <= pool.n_free() || (n_slots <= pool.n_free() + n_spillable({ seq_id }) &&
+            make_host_room(n_slots, { seq_id }));
     settle_disk("to restore a saved state");
     if (!room) {
-        throw std::runtime_error(format("the state holds %u blocks of history; the host pool has room for %u (raise "
-                "--kvmem-host-mib)", n_blocks, pool.n_free()));
+        throw std::runtime_error(format("the state holds %u blocks of history (%u host slots); the host pool has room "
+                "for %u (raise --kvmem-host-mib)", n_blocks, n_slots, pool.n_free()));
     }
     for (uint32_t i = 0; i < n_blocks; ++i) {
         const int32_t b = kvmem_take<int32_t>(io);
         kvmem_block hb;
         hb.picked = kvmem_take<uint8_t>(io) != 0;
         hb.score  = kvmem_take<float>(io);
-        hb.ext    = kvmem_take_exact<llama_kv_cell_ext>(io, kp.block, "M-RoPE positions");
+        hb.ext    = kvmem_take_vec<llama_kv_cell_ext>(io, get_size());
+        hb.pos    = kvmem_take_vec<llama_pos>(io, get_size());
+        check_block_cells(b, hb);
         if (st.blocks.count(b)) {
             throw std::runtime_error(format("a tiered state holds block %d twice: the file is corrupt", b));
         }
-        GGML_ASSERT(pool.take(hb.slot)); // room checked above
+        if (!take_slots(hb, kvmem_div_up((uint32_t) hb.ext.size(), kp.block))) {
+            throw std::runtime_error(format("a tiered state's blocks take more than the %u host slots it names: the "
+                    "file is corrupt", n_slots));
+        }
         auto & placed = st.blocks.emplace(b, std::move(hb)).first->second; // books first: a failure gives it back
         io.read(pool.slot_ptr(placed.slot), pool.block_bytes());
+        for (const uint32_t slot : placed.more_slots) {
+            io.read(pool.slot_ptr(slot), pool.block_bytes());
+        }
         std::vector<float> sum = kvmem_take_vec<float>(io, scorer->summary_size());
         kvmem_check_size(sum.size(), scorer->summary_size(), "block summary");
         if (!sum.empty()) {
@@ -346,10 +369,10 @@ void llama_kvmem_cache::read_seq(llama_io_read_i & io, llama_seq_id seq_id) {
         std::vector<float> sum = kvmem_take_vec<float>(io, scorer->summary_size());
         st.rows.stale[b] = { std::move(sum), kvmem_take<uint32_t>(io) };
     }
-    st.rows.key = kvmem_take_map<llama_pos, float>(io, dims.key_row());
+    st.rows.key = kvmem_take_map<llama_pos, float>(io, (size_t) get_size()*dims.key_row()); // an image's: a row per cell
     st.rows.tokens = kvmem_take_map<int32_t, llama_token>(io, kp.block);
     for (const auto & [p, row] : st.rows.key) {
-        kvmem_check_size(row.size(), dims.key_row(), "key row");
+        kvmem_check_size(row.size() % dims.key_row() == 0 ? dims.key_row() : row.size() + 1, dims.key_row(), "key row");
     }
     for (const auto & [b, toks] : st.rows.tokens) {
         kvmem_check_size(toks.size(), kp.block, "block's token ids");

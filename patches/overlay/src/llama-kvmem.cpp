@@ -42,11 +42,7 @@ uint32_t kvmem_residency::share_blocks(const kvmem_seqs & seqs, llama_seq_id seq
             n_active++;
         }
     }
-    // the cells it holds whole (images) come out of its share of pool blocks
-    const auto it = seqs.find(seq_id);
-    const uint32_t pinned = it == seqs.end() ? 0 : (it->second.n_pinned_cells() + g.block - 1)/g.block;
-    const uint32_t even = g.budget_blocks/n_active;
-    return std::max<uint32_t>(g.floor_share(), even > pinned ? even - pinned : 0);
+    return std::max<uint32_t>(g.floor_share(), g.budget_blocks/n_active);
 }
 
 bool kvmem_residency::protected_block(const kvmem_seq & st, int32_t b) const {
@@ -111,8 +107,8 @@ std::pair<uint32_t, uint32_t> kvmem_residency::movable_blocks(const kvmem_seqs &
     uint32_t resident = 0, movable = 0;
     for (const auto & [b, hb] : st.blocks) {
         if (hb.resident) {
-            resident++;
-            movable += (uint32_t) b >= g.sink_blocks && (idle || !protected_block(st, b)) ? 1 : 0;
+            resident += hb.n_slots();
+            movable += (uint32_t) b >= g.sink_blocks && (idle || !protected_block(st, b)) ? hb.n_slots() : 0;
         }
     }
     if (!idle && st.phase() == kvmem_phase::GEN && !(in_batch && alone_in_batch)) {
@@ -319,7 +315,7 @@ uint32_t llama_kvmem_cache::max_ubatch(uint32_t n_ubatch) const {
 
 bool llama_kvmem_cache::may_stage(uint32_t n_new) const {
     for (const auto & [s, st] : seqs) {
-        if (st.n_resident() < st.blocks.size()) {
+        if (!st.all_resident()) {
             return true;
         }
     }

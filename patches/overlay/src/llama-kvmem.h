@@ -26,6 +26,9 @@
 //     prompt take blocks of another sequence that is reading a prompt (within that one's share, logged):
 //     the batch goes on with a smaller prefill window instead of failing (kvmem_evict_tier).
 //  5. Budget >= context is token-identical to tiering off.
+//  6. An image is one unit of residency: M-RoPE gives its tokens one position, so its cells fall in one block,
+//     which goes to the host pool, is scored, leaves and comes back whole (kvmem_block::pos, more_slots) and
+//     counts its slots against the share.
 //
 // Because it *is* a llama_kv_cache and its contexts are llama_kv_cache_context, all model graph builders stay
 // unchanged. One concern per file:
@@ -119,9 +122,9 @@ public:
     // phase transition it makes: a prompt that starts here ends the previous turn
     kvmem_batch_kind begin_batch(llama_seq_id seq_id, uint32_t n, uint32_t n_out, bool last_out, llama_pos p0);
 
-    // a batch's n_embd embedding inputs (an image) ending at position `end`: they stay whole in the working set, so
-    // they, the images the sequence holds already and its floor must fit the budget; false (last error: the budget
-    // it needs) when they do not
+    // a batch's n_embd embedding inputs (an image) ending at position `end`: they are in the working set together
+    // whenever they are read or retrieved, so they and the sequence's floor must fit the budget; false (last error:
+    // the budget it needs) when they do not
     bool admit_embeddings(llama_seq_id seq_id, uint32_t n_embd, llama_pos end);
 
     // the tokens of a prompt batch, kept (a bounded tail) so that the turn's query span can be recomputed
@@ -262,7 +265,7 @@ private:
     void apply_target(llama_seq_id seq_id, kvmem_seq & st, const std::set<int32_t> & target, kvmem_journal * journal,
             uint32_t & staged_in, uint32_t & staged_out, uint32_t & reused);
     // the whole history is resident and stays so: the selection is a no-op, logged as SELECT ... fits=1
-    // the SELECT line's fields of the time since the previous one (captures, decode passes) and the pinned cells
+    // the SELECT line's fields of the time since the previous one (captures, decode passes) and the images' blocks
     std::string capture_fields(const kvmem_seq & st) const;
     void log_fitting(llama_seq_id seq_id, kvmem_seq & st, kvmem_reason reason, llama_pos pos, uint32_t share,
             double gather_ms);
@@ -284,7 +287,8 @@ private:
     void capture_keys(const llama_ubatch & ubatch);
     void capture_queries(const llama_ubatch & ubatch);
     void capture_tokens(const llama_ubatch & ubatch);
-    void build_summary(kvmem_seq & st, int32_t b, const kvmem_key_rows & key_row);
+    // block b's summary once the sequence reached its end (reached: the newest position it decoded)
+    void build_summary(llama_seq_id seq_id, kvmem_seq & st, int32_t b, llama_pos reached, const kvmem_key_rows & key_row);
     // a block in the host pool whose summary is on the host goes to the summary store, its host copy with it
     void store_summary(kvmem_seq & st, int32_t b, kvmem_block & hb);
     // a block's summary where it is (host, or read back from the store); empty when it has none
@@ -301,7 +305,8 @@ private:
     // a draft's cache (MTP) follows the target's residency: its state is not saved; a restore into the target
     // needs the followers empty for the sequence (the draft starts it anew, after the restored history)
     void refuse_state_of_follower() const;
-    void repin(llama_seq_id seq_id, kvmem_seq & st) const; // st.pinned and st.embd_end from the cells
+    void find_images(kvmem_seq & st) const; // st.embd_end from the blocks of images (a restored sequence)
+    void check_block_cells(int32_t b, const kvmem_block & hb) const; // a saved block's cells are its own (or throws)
     void refuse_restore_under_full_followers(llama_seq_id seq_id) const;
     void write_seq(llama_io_write_i & io, llama_seq_id seq_id, const kvmem_seq & st) const;
     void read_header(llama_io_read_i & io) const;
@@ -323,13 +328,18 @@ private:
             kvmem_journal * journal);
     bool stage_in_making_room(llama_seq_id seq_id, int32_t b, kvmem_block & hb, kvmem_journal * journal);
     std::vector<uint32_t> free_run(uint32_t n) const;
-    // the cells of up to n_in stage-ins, one after the other, as free_run would choose them once the leaving
-    // blocks of seq_id are evicted (before they are)
+    // the cells of stage-ins of sizes[j] cells each, one after the other, as free_run would choose them once the
+    // leaving blocks of seq_id are evicted (before they are); fewer when the cells run out
     std::vector<std::vector<uint32_t>> place_stage_ins(llama_seq_id seq_id, const std::vector<int32_t> & leaving,
-            size_t n_in);
+            const std::vector<uint32_t> & sizes);
+    // a sequence's cells at the block's positions, by position then cell
     std::vector<uint32_t> block_cells(llama_seq_id seq_id, int32_t b) const;
     void write_through(llama_seq_id seq_id);
-    // a block's bytes in the pool (asserts it is not on disk)
+    // n free host slots for hb (false, taking none, when fewer are free)
+    bool take_slots(kvmem_block & hb, uint32_t n);
+    // a block's cells idx (its cell order) to or from its slots; asynchronous until copier.wait()
+    void copy_block(const kvmem_block & hb, const std::vector<uint32_t> & idx, bool to_dev);
+    // a block's first slot's bytes in the pool (asserts it is not on disk)
     uint8_t * pool_bytes(const kvmem_block & hb) const;
     // a block's storage given back: its pool slot, or its disk record
     void release_storage(kvmem_block & hb);

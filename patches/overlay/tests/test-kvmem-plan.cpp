@@ -92,4 +92,26 @@ KV_SUITE(plan) {
     p = kvmem_plan_selection(GEOM, hy, 6, kvmem_reason::TURN, hybrid, kvmem_host_scores(hy, hybrid), 128, false, 0);
     KV_CHECK(p.target.count(4) && p.target.count(7) && p.n_lexical == 1);
     KV_CHECK(p.picks.at(4) > p.picks.at(7)); // merged order: the first pick leaves last
+
+    // a block of an image weighs its slots: the needle's block of three slots does not fit the two that the fixed
+    // blocks leave, so the next blocks by score take them
+    kvmem_seq img = make_history(mass, 4);
+    img.blocks[4].more_slots = { 20, 21 };
+    ask(img);
+    p = kvmem_plan_selection(GEOM, img, 6, kvmem_reason::TURN, mass, kvmem_host_scores(img, mass), 128, false, 0);
+    KV_CHECK(!p.target.count(4) && p.target.size() == 5 && p.weight == 5);
+    // with room for it, it comes in first and weighs three
+    p = kvmem_plan_selection(GEOM, img, 8, kvmem_reason::TURN, mass, kvmem_host_scores(img, mass), 128, false, 0);
+    KV_CHECK(p.target.count(4) && p.weight == 7 && p.target.size() == 5);
+
+    // a block without a summary is never ranked, but takes the room the ranked blocks leave (newest first)
+    kvmem_seq bare = make_history(mass, 4);
+    for (int32_t b = 1; b < 10; ++b) {
+        if (b != 4) {
+            bare.rows.summary.erase(b);
+        }
+    }
+    ask(bare);
+    p = kvmem_plan_selection(GEOM, bare, 7, kvmem_reason::TURN, mass, kvmem_host_scores(bare, mass), 128, false, 0);
+    KV_CHECK(p.target == std::set<int32_t>({ 0, 4, 8, 9, 10, 11 }) && p.picks.size() == 1 && p.picks.count(4));
 }

@@ -34,13 +34,12 @@ KV_SUITE(residency) {
     seqs[1] = make_seq(6, { 0, 1, 2, 3, 4 }); // a prompt within its share
     seqs[1].start_prompt(false, 0);
     KV_CHECK(rules.share_blocks(seqs, 0) == 5 && rules.share_blocks(seqs, 1) == 5);
-    // an image held whole (two blocks' worth of cells, one of them partly) comes out of the share, above the floor
-    seqs[1].pinned = { { 6, 20 } };
-    KV_CHECK(rules.share_blocks(seqs, 1) == 5); // 5 - 2 is below the floor of 5
-    seqs.erase(0);
-    KV_CHECK(rules.share_blocks(seqs, 1) == 8); // alone: 10 - 2
-    seqs[0] = generating(make_seq(12, { 0, 1, 2, 3, 4, 5, 9, 10, 11 }), 9*16, 10*16, 12*16);
-    seqs[1].pinned.clear();
+    // a block of an image (three slots' worth of cells) weighs three blocks: in what is resident and in the room
+    // its eviction would make
+    seqs[1].blocks[3].more_slots = { 20, 21 };
+    KV_CHECK(seqs[1].n_resident() == 7);
+    KV_CHECK(rules.movable_blocks(seqs, 1, false, false) == std::make_pair(7u, 6u)); // all but the sink
+    seqs[1].blocks[3].more_slots.clear();
 
     // protected: the sink always; while generating the question and the newest blocks; a prompt protects none
     const kvmem_seq & gen = seqs[0];

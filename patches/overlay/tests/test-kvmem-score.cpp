@@ -107,6 +107,21 @@ KV_SUITE(score) {
     }
     KV_CHECK(std::fabs(out[DIMS.head_dim + 1] - mean1) < 1e-5f);
 
+    // an image's block gives every cell's row (here 24 cells, more than a block's 16): its two chunks are the
+    // means of its first and its last 12 rows
+    const auto image = make_keys(2, -1, 5);
+    std::vector<const float *> cells;
+    for (uint32_t c = 0; c < 24; ++c) {
+        cells.push_back(image[c/16].data() + (c % 16)*DIMS.key_row());
+    }
+    mass.summarize(cells, out.data());
+    float first = 0.0f, last = 0.0f;
+    for (uint32_t c = 0; c < 12; ++c) {
+        first += cells[c][1]/12.0f;
+        last  += cells[12 + c][1]/12.0f;
+    }
+    KV_CHECK(std::fabs(out[1] - first) < 1e-5f && std::fabs(out[DIMS.head_dim + 1] - last) < 1e-5f);
+
     // a mass score is the square of the block's share of each (head, row), summed: the share is the softmax over the
     // blocks of each block's best chunk logit. Block 0's chunks both hold 2*e0, block 1's hold 0 and e0; the query
     // row is 3*e0 in both heads, so the best logits are 6s and 3s (s = 1/sqrt(head_dim)).

@@ -40,9 +40,16 @@ KV_SUITE(seq) {
     KV_CHECK(st.query_start(600, 256) == 550 && st.query_start(600, 32) == 568);
     KV_CHECK(st.query_start(550, 256) == 550); // a prompt that ends with an image: nothing to decode again
     st.embd_end = -1;
-    st.pinned = { { 2, 140 }, { 3, 97 } };
-    KV_CHECK(st.n_pinned_cells() == 237);
-    st.pinned.clear();
+    // a block of an image weighs its slots: resident and in all; a plain block's cells are at b*B + t
+    st.blocks[2].more_slots = { 7, 8 };
+    st.blocks[2].pos = { 40, 40, 41 };
+    st.blocks[2].resident = true;
+    KV_CHECK(st.blocks[2].n_slots() == 3 && st.blocks[2].irregular() && st.blocks[2].cell_pos(2, 16, 1) == 40);
+    KV_CHECK(st.blocks[5].cell_pos(5, 16, 3) == 83 && !st.blocks[5].irregular());
+    KV_CHECK(st.n_resident() == 3 && st.n_slots() == 4 && !st.all_resident());
+    st.blocks[5].resident = true;
+    KV_CHECK(st.all_resident());
+    st.blocks.clear();
 
     st.blocks[0].resident = true;
     st.blocks[3].resident = true;
