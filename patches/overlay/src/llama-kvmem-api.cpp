@@ -13,9 +13,10 @@ void llama_kvmem_cache::publish() {
     total.n_blocks_gpu = 0;
     for (const auto & [s, st] : seqs) {
         counters & x = per[s];
+        // in host slots of B tokens, as the pool counts them (an image's block takes several)
         x.n_blocks_gpu  = (int32_t) st.n_resident();
         x.n_blocks_disk = (int32_t) n_on_disk(st);
-        x.n_blocks_host = (int32_t) st.blocks.size() - x.n_blocks_disk;
+        x.n_blocks_host = (int32_t) st.n_slots() - x.n_blocks_disk;
         x.n_select      = st.n_select;
         x.last_ms       = st.last_ms;
         total.n_blocks_gpu += x.n_blocks_gpu;
