@@ -30,11 +30,16 @@ from kvmem_llama.engine import lookup_engine
               help="Start a fresh server, and so a fresh turn-1 prefill, for every repeat: independent prefill "
                    "repeats, at the cost of a full prefill each.")
 @click.option("--server-args", default="", help="Extra llama-server flags for this configuration (one string).")
+@click.option("--image", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Start turn 1 with this image (PNG/JPEG; needs --mmproj in --server-args): text fills the "
+                   "context after it and turn 2 decodes after it at depth. Rows add the image's tokens and the "
+                   "server's ms to encode and to decode it.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
               show_default=True)
 @click.pass_context
 def bench(ctx: click.Context, engine: str | None, model: Path | None, config: str | None, contexts: str,
-          gen_tokens: int, repeats: int, fresh_servers: bool, server_args: str, out_dir: Path) -> None:
+          gen_tokens: int, repeats: int, fresh_servers: bool, server_args: str, image: Path | None,
+          out_dir: Path) -> None:
     """Measure prefill/decode speed, VRAM, host RSS and selection time at long contexts.
 
     Per context one server: turn 1 fills the context (prefill tok/s, once); then each repeat is a turn 2
@@ -49,6 +54,9 @@ def bench(ctx: click.Context, engine: str | None, model: Path | None, config: st
         raise click.UsageError("--engine, --model and --config are required")
     server = lookup_engine(engine).server
     args = shlex.split(server_args)
+    if image is not None and "--mmproj" not in args:
+        raise click.UsageError("--image needs the model's vision projector: add --mmproj FILE to --server-args")
+    image_bytes = image.read_bytes() if image is not None else None
     for context in [int(c) for c in contexts.split(",") if c.strip()]:
         results: list[BenchResult] = []
 
@@ -57,6 +65,9 @@ def bench(ctx: click.Context, engine: str | None, model: Path | None, config: st
             append_results(out_dir / "results.jsonl", [result])
             refresh = f", {len(result.refresh_ms)} re-selections" if result.refresh_ms else ""
             shared = " (shared)" if result.prefill_shared else ""
+            if result.image_tokens:
+                shared += (f", image {result.image_tokens} tokens: encoded {result.image_encode_ms or 0:.0f} ms, "
+                           f"decoded {result.image_decode_ms or 0:.0f} ms")
             status = f"[red]{result.error[:200]}[/]" if result.error else (
                 f"prefill {result.prefill_tps:.0f} tok/s{shared}, turn 2 read {result.turn2_prompt_tokens} tokens, "
                 f"decode {result.decode_tps:.1f} tok/s over {result.decode_tokens} tokens{refresh}, "
@@ -68,11 +79,12 @@ def bench(ctx: click.Context, engine: str | None, model: Path | None, config: st
                 console.print(f"[dim]•[/] {config} @ {context:,} tokens, server {repeat + 1}/{repeats}: "
                               "turn 1 + turn 2 …")
                 run_cell(server, model, config, context, args, out_dir / "logs", gen_tokens, 1,
-                         first_repeat=repeat, on_result=record)
+                         first_repeat=repeat, image=image_bytes, on_result=record)
         else:
             console.print(f"[dim]•[/] {config} @ {context:,} tokens: one server, turn 1 + {repeats} repeats of "
                           "turn 2 …")
-            run_cell(server, model, config, context, args, out_dir / "logs", gen_tokens, repeats, on_result=record)
+            run_cell(server, model, config, context, args, out_dir / "logs", gen_tokens, repeats, image=image_bytes,
+                     on_result=record)
         ok = [r.decode_tps for r in results if not r.error]
         console.print(f"  {config} @ {context:,}: {len(ok)}/{repeats} repeats" + (
             f", decode median {statistics.median(ok):.1f} tok/s" if ok else ""))

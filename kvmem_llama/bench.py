@@ -18,6 +18,12 @@ GB/s and staged blocks. Per server: peak GPU memory (nvidia-smi), the KV buffer 
 the pinned host KV pool is counted there, as RssShmem, on the H200) and the host KV pool the engine reserved
 (ARMED's host_mib).
 
+With an image (`image`: PNG/JPEG bytes; the server needs --mmproj), turn 1 is the image first and then text
+(seeded words) of the context's length, through /completion's multimodal prompt (the image's tokens come on top,
+up to IMAGE_ROOM); turn 2 continues that prompt (its text, turn 1's answer, ~512 new words), so its generation
+decodes after an image at depth. Turn 1's prefill tok/s then counts the image's encode and decode; the rows carry
+the image's tokens and the server's own times to encode and to decode it (turn 1's, from its log).
+
 Results are one row per repeat (`repeat` 0..n-1), so the report's min and median are over repeats;
 the rows of one server share `server_run` and, with `prefill_shared`, the one turn-1 prefill
 (its tok/s and selections are copied into each row), so the report takes prefill min/median over
@@ -28,6 +34,7 @@ numbers are about the mechanics, not about the model's answers (synthetic weight
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 import re
@@ -55,6 +62,14 @@ KV_BUFFER = re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB")
 # how long a request's part of the log may take to get its end-of-request line (the server's own thread writes it)
 REQUEST_DONE_WAIT_S = 10.0
 REFRESH_REASONS = ("refresh", "room")
+# the server logs when it starts encoding images (the projector) and how long each batch of their embeddings took
+# to decode; the encode is the time between the two, less that decode
+IMAGE_ENCODING = re.compile(r"encoding mtmd batch")
+IMAGE_DECODED = re.compile(r"image decoded \(batch \d+/\d+\) in (\d+) ms")
+IMAGE_ROOM = 4096  # tokens an image may take on top of the context's text (a 1024x1024 image: ~1,024 in Qwen3-VL)
+LOG_TIME = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) ")  # minutes.seconds.ms.us since the server started
+WORDS = ("river stone light window garden music paper engine winter market bridge forest signal harbor lantern "
+         "meadow copper silver thunder valley orchard canyon glacier meadow island compass").split()
 SELECTION_FIELDS = ("select_ms", "refresh_ms", "staged_in_blocks", "stage_ms", "stage_in_gbps", "prompt_select_ms",
                     "score_ms", "capture_ms", "refresh_capture_ms", "phases", "turns")
 # a selection's time by part, for engines that say (SELECT's plan_ms and the graph scorer's phases)
@@ -104,6 +119,11 @@ class BenchResult:
     turn1: dict = field(default_factory=dict)
     setup_s: float = 0.0  # server start + turn 1 (shared by the rows of a server run)
     wall_s: float = 0.0  # this repeat's turn 2
+    # with an image at the start of turn 1: its tokens, and the server's ms to encode it (the projector) and to
+    # decode its embeddings (the model), from turn 1's part of the log
+    image_tokens: int = 0
+    image_encode_ms: float | None = None
+    image_decode_ms: float | None = None
     error: str | None = None
 
 
@@ -153,10 +173,10 @@ class _Sampler(threading.Thread):
         self.join(timeout=5)
 
 
-def _complete(http: httpx.Client, tokens: list[int], n_predict: int) -> dict:
+def _complete(http: httpx.Client, prompt: list[int] | dict, n_predict: int, cache_prompt: bool = True) -> dict:
     reply = http.post("/completion", json={
-        "prompt": tokens, "n_predict": n_predict, "temperature": 0, "ignore_eos": True,
-        "cache_prompt": True, "samplers": ["top_k"], "top_k": 1, "return_tokens": True,
+        "prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True,
+        "cache_prompt": cache_prompt, "samplers": ["top_k"], "top_k": 1, "return_tokens": True,
     })
     if reply.status_code != 200:
         raise KvmemError(f"/completion answered {reply.status_code}: {reply.text[:500]}")
@@ -215,6 +235,43 @@ def record_selections(text: str, result: BenchResult, block_bytes: int) -> None:
             result.stage_in_gbps.append(round(gbps, 2))
 
 
+def _words(http: httpx.Client, n_tokens: int, seed: str) -> str:
+    """Seeded words that the server's tokenizer makes about n_tokens tokens (the count is scaled until it lands
+    within 8 tokens under)."""
+    rng = random.Random(seed)
+    pool = [rng.choice(WORDS) for _ in range(2 * n_tokens)]
+    count = n_tokens
+    text = ""
+    for _ in range(6):
+        text = " " + " ".join(pool[:count])
+        made = len(http.post("/tokenize", json={"content": text}).json()["tokens"])
+        if n_tokens - 8 < made <= n_tokens:
+            break
+        count = max(1, min(len(pool), count * n_tokens // max(made, 1) - (made > n_tokens)))
+    return text
+
+
+def _log_ms(line: str) -> float | None:
+    m = LOG_TIME.match(line)
+    return None if m is None else int(m[1]) * 60_000 + int(m[2]) * 1000 + int(m[3]) + int(m[4]) / 1000
+
+
+def image_events(text: str) -> tuple[float | None, float | None]:
+    """The ms a log part spent encoding images (the projector) and decoding their embeddings, None when none."""
+    encode = decode = 0.0
+    seen, started = False, None
+    for line in text.splitlines():
+        if IMAGE_ENCODING.search(line):
+            started = _log_ms(line)
+        elif decoded := IMAGE_DECODED.search(line):
+            seen, ms, now = True, float(decoded[1]), _log_ms(line)
+            decode += ms
+            if started is not None and now is not None:
+                encode += max(0.0, now - started - ms)
+            started = None
+    return (round(encode, 1), decode) if seen else (None, None)
+
+
 def _turn2_tokens(seed: int, context: int, repeat: int, top: int) -> list[int]:
     """The 512 new tokens of one repeat's turn 2: other ones each repeat, the same ones each time it is run."""
     rng = random.Random(f"turn2-{seed}-{context}-{repeat}")
@@ -223,15 +280,16 @@ def _turn2_tokens(seed: int, context: int, repeat: int, top: int) -> list[int]:
 
 def run_cell(server: Path, model: Path, config: str, context: int, server_args: list[str], log_dir: Path,
              gen_tokens: int = 1024, repeats: int = 1, *, first_repeat: int = 0, port: int | None = None,
-             seed: int = 0, ready_timeout: float = 600,
+             seed: int = 0, ready_timeout: float = 600, image: bytes | None = None,
              on_result: Callable[[BenchResult], None] | None = None) -> list[BenchResult]:
     """One server: turn 1 (the prefill) once, then `repeats` turn 2s on its prefix; one row per repeat,
-    numbered from `first_repeat`. `on_result` gets each row as soon as it is complete."""
+    numbered from `first_repeat`. `on_result` gets each row as soon as it is complete. `image`: turn 1 starts
+    with it (module docstring)."""
     repeat_ids = list(range(first_repeat, first_repeat + repeats))
     name = f"r{repeat_ids[0]}" if repeats == 1 else f"r{repeat_ids[0]}-{repeat_ids[-1]}"
     log_path = log_dir / f"{config}-{context}-{name}.log"
     log_dir.mkdir(parents=True, exist_ok=True)
-    n_ctx = context + TURN2_TOKENS + TURN1_GEN + gen_tokens + 64
+    n_ctx = context + TURN2_TOKENS + TURN1_GEN + gen_tokens + 64 + (IMAGE_ROOM if image is not None else 0)
     args = ["-c", str(n_ctx), "-np", "1", "--no-webui", "-lv", "4", *server_args]  # -lv 4: the KV buffer sizes
     run_id = f"{config}-{context}-{uuid.uuid4().hex[:8]}"
     shared = repeats > 1
@@ -263,10 +321,22 @@ def run_cell(server: Path, model: Path, config: str, context: int, server_args: 
                 n_vocab = int(http.get("/v1/models", timeout=10).json()["data"][0]["meta"]["n_vocab"])
                 top = min(n_vocab - 1, 100_000)  # ordinary tokens, clear of special ones at the ends
                 rng = random.Random(seed + context)
-                prompt = [rng.randrange(1000, top) for _ in range(context - TURN1_GEN)]
+                if image is None:
+                    prompt: list[int] | dict = [rng.randrange(1000, top) for _ in range(context - TURN1_GEN)]
+                else:
+                    media = base64.b64encode(image).decode()
+                    marker = http.get("/props", timeout=10).json()["media_marker"]  # the server's own, random
+                    text = _words(http, context - TURN1_GEN, f"turn1-{seed}-{context}")
+                    n_text = len(http.post("/tokenize", json={"content": text}).json()["tokens"])
+                    prompt = {"prompt_string": marker + text, "multimodal_data": [media]}
                 turn1_start = log.size()
                 first = _complete(http, prompt, TURN1_GEN)
-                prefix = prompt + first.get("tokens", [])
+                if image is not None:
+                    turn1_row.image_tokens = int(first["timings"]["prompt_n"]) - n_text
+                if isinstance(prompt, list):
+                    prefix: list[int] | dict = prompt + first.get("tokens", [])
+                else:
+                    prefix = {**prompt, "prompt_string": prompt["prompt_string"] + first.get("content", "")}
                 prefill_tps = float(first["timings"]["prompt_per_second"])
             except (KvmemError, httpx.HTTPError, KeyError, ValueError) as exc:
                 turn1_row.error = str(exc)[:1000]
@@ -277,6 +347,7 @@ def run_cell(server: Path, model: Path, config: str, context: int, server_args: 
             armed = kvmem_log.armed(text)
             block_bytes, host_pool_mib = _block_bytes(armed), _host_pool_mib(armed)
             record_selections(text, turn1_row, block_bytes)
+            image_ms = image_events(log.read(turn1_start))
             turn1_selections = {key: getattr(turn1_row, key) for key in SELECTION_FIELDS}
             setup_s = round(time.monotonic() - started, 1)
             for repeat in repeat_ids:
@@ -289,8 +360,15 @@ def run_cell(server: Path, model: Path, config: str, context: int, server_args: 
                     result.turn1 = {key: list(values) for key, values in turn1_selections.items()}
                     t0 = time.monotonic()
                     start = log.size()
+                    result.image_tokens = turn1_row.image_tokens
+                    result.image_encode_ms, result.image_decode_ms = image_ms
                     try:
-                        second = _complete(http, prefix + _turn2_tokens(seed, context, repeat, top), gen_tokens)
+                        if isinstance(prefix, list):
+                            turn2: list[int] | dict = prefix + _turn2_tokens(seed, context, repeat, top)
+                        else:
+                            new_words = _words(http, TURN2_TOKENS, f"turn2-{seed}-{context}-{repeat}")
+                            turn2 = {**prefix, "prompt_string": prefix["prompt_string"] + new_words}
+                        second = _complete(http, turn2, gen_tokens)
                         timings = second["timings"]
                         result.decode_tps = float(timings["predicted_per_second"])
                         result.decode_tokens = int(timings["predicted_n"])

@@ -184,3 +184,13 @@ def test_record_selections_sorts_select_lines_by_reason() -> None:
                               "score_steps": 1, "score_build_ms": 0.1, "score_upload_ms": 0.2, "score_compute_ms": 0.7,
                               "gather_ms": 0.05, "stage_wait_ms": 0.4, "capture_ms": 6.5}]
     assert result.stage_in_gbps == [round(8 * 2**20 / 0.002 / 1e9, 2), round(2 * 2**20 / 0.004 / 1e9, 2)]
+
+
+def test_image_events_take_the_encode_from_the_log_times_and_the_decode_from_its_lines() -> None:
+    from kvmem_llama.bench import image_events
+
+    text = ("1.02.100.000 I slot process_mtmd: id  0 | task 0 | encoding mtmd batch from idx = 1, n_chunks = 1\n"
+            "1.02.350.500 I image decoded (batch 1/2) in 50 ms\n"
+            "1.02.400.000 I image decoded (batch 2/2) in 40 ms\n")
+    assert image_events(text) == (200.5, 90.0)  # 250.5 ms from the start of the encode to the first decode's end
+    assert image_events("0.00.001.000 I no images here\n") == (None, None)

@@ -360,3 +360,37 @@ def test_kvmem_chat_sends_an_image_with_the_next_message(cpu_engine, qwen35, mmp
     first = json.loads(saved.read_text("utf-8"))["messages"][0]["content"]
     assert first[0] == {"type": "text", "text": "What is in this picture?"}
     assert first[1]["image_url"]["url"] == data_uri(image.read_bytes())
+
+
+@pytest.mark.engine
+def test_kvmem_bench_puts_an_image_at_the_start_of_turn_1_and_decodes_after_it(cpu_engine, qwen35, mmproj,
+                                                                               tmp_path: Path) -> None:
+    """`kvmem bench --image`: turn 1 is the image then text up to the context (the image evicted under tiering
+    as the text is read), turn 2 continues it; the rows carry the image's tokens and the server's encode and
+    decode times. Without --mmproj the option is refused with what to add."""
+    image = tmp_path / "bench.png"
+    image.write_bytes(png(128, 128, seed=6))
+    out = tmp_path / "bench"
+    base = ["kvmem", "bench", "--engine", str(cpu_engine.path), "--model", str(qwen35["plain"]), "--contexts", "2048",
+            "--gen", "8", "--repeats", "2", "--image", str(image), "--out", str(out)]
+    for config, extra in (("off", ""), ("on", " --kvmem-budget 512 --kvmem-block 64 --kvmem-recent 128")):
+        run = subprocess.run([*base, "--config", config, "--server-args", f"-t 2 --mmproj {mmproj}{extra}"],
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "image 18 tokens: encoded" in run.stdout, run.stdout
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["config"], r["repeat"]) for r in rows] == [("off", 0), ("off", 1), ("on", 0), ("on", 1)]
+    for row in rows:
+        assert row["error"] is None and row["decode_tokens"] == 8, row
+        assert row["image_tokens"] == PRESETS["tiny"].n_image_tokens(128, 128) + 2  # with <|vision_start|>/_end|>
+        assert row["image_encode_ms"] is not None and row["image_decode_ms"] is not None
+        # turn 2 read its ~512 new tokens: the image and the text after it came from the prompt cache
+        assert 2048 - 64 <= row["turn2_cached_tokens"] <= 2048 + 18 and row["turn2_prompt_tokens"] <= 512 + 64, row
+    tiered = [r for r in rows if r["config"] == "on"]
+    assert all(r["select_ms"] for r in tiered)  # turn 2 selected over a history of 4x the budget
+    (log,) = [p for p in (out / "logs").iterdir() if p.name.startswith("on-")]
+    assert re.search(r"image_blocks=1 image_resident=[01] ", log.read_text())
+    refused = subprocess.run([*base, "--config", "x", "--server-args", "-t 2"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode != 0 and "add --mmproj FILE to --server-args" in refused.stderr
+
