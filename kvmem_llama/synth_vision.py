@@ -41,6 +41,8 @@ with `deepstack_visual_indexes = []`); about 0.46 B parameters, ~0.9 GB in F16.
 from __future__ import annotations
 
 import math
+import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -240,3 +242,21 @@ def synthesize_mmproj(out: str | Path, *, text_n_embd: int, preset: str = "tiny"
             data.tofile(fout)
             writer.write_padding(fout, data.nbytes)
     return out
+
+
+def synthetic_png(width: int, height: int, seed: int = 0) -> bytes:
+    """An RGB PNG of gradients shifted by seed (encoded with zlib and struct only): an image for the tests and for
+    `kvmem bench --image` where no image library is installed."""
+    rows = []
+    for y in range(height):
+        row = bytearray([0])  # filter type 0 for each scanline
+        for x in range(width):
+            row += bytes(((x * 4 + seed * 37) % 256, (y * 4 + seed * 91) % 256, ((x + y) * 2 + seed * 13) % 256))
+        rows.append(bytes(row))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"".join(rows)))
+            + chunk(b"IEND", b""))

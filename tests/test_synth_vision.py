@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import base64
 import math
-import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -19,27 +17,11 @@ from gguf import GGUFReader
 
 from kvmem_llama import synth
 from kvmem_llama.synth_vision import PRESETS, PROJECTOR_TYPE, make_vision_plan, synthesize_mmproj
+from kvmem_llama.synth_vision import synthetic_png as png
 
 TEXT_N_EMBD = synth.preset_shape("qwen35", "tiny").n_embd
 SERVER_ARGS = ["--kvmem-budget", "0", "-c", "4096", "-np", "1"]
 QUESTION = "What is in this picture?"
-
-
-def png(width: int, height: int, seed: int = 0) -> bytes:
-    """A small RGB PNG (gradients shifted by seed), encoded with zlib and struct only."""
-    rows = []
-    for y in range(height):
-        row = bytearray([0])  # filter type 0 for each scanline
-        for x in range(width):
-            row += bytes(((x * 4 + seed * 37) % 256, (y * 4 + seed * 91) % 256, ((x + y) * 2 + seed * 13) % 256))
-        rows.append(bytes(row))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"".join(rows)))
-            + chunk(b"IEND", b""))
 
 
 def data_uri(image: bytes) -> str:
