@@ -15,9 +15,7 @@ start)
 run)
   job_setup
   { nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv; nproc; } | tee "$OUT/host.txt"
-  start=$(date +%s)
-  kvmem build --sm 90 -j "$(nproc)" --fa-quants default --no-ui 2>&1 | tail -3
-  echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/host.txt"
+  job_build
   start=$(date +%s)
   kvmem synth --preset qwen35-27b --quant q4_k --donor .kvmem/ggml-vocab-qwen35.gguf --threads 12 \
     -o /tmp/qwen35-27b.gguf --mmproj /tmp/mmproj-27b.gguf | tail -2

@@ -18,9 +18,7 @@ run)
   job_setup
   { nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv; nproc; free -g | head -2
     df -h /tmp | tail -1; id -u; } | tee "$OUT/host.txt"
-  start=$(date +%s)
-  kvmem build --sm 90 -j "$(nproc)" --fa-quants default --no-ui 2>&1 | tail -3
-  echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/host.txt"
+  job_build
   kvmem engines --json > "$OUT/engines.json"
   MODEL=/tmp/qwen35-27b.gguf
   start=$(date +%s)
