@@ -92,14 +92,18 @@ void llama_kvmem_cache::remember_tokens(llama_seq_id seq_id, const std::vector<k
 
 bool llama_kvmem_cache::admit_embeddings(llama_seq_id seq_id, uint32_t n_embd, llama_pos end) {
     kvmem_seq & st = open_seq(seq_id);
-    // an image is in the working set whole, next to the sink and the recent window, while it is read and whenever
-    // it is retrieved
-    const uint32_t need = n_embd + geom.floor_share()*kp.block;
-    if (need > kp.budget) {
-        set_last_error(format("an image of %u tokens does not fit the KV tiering working set (--kvmem-budget %u): "
+    // an image is in the working set whole whenever it is read or retrieved: its block (with up to B-1 cells of
+    // text) must fit the sequence's share next to the sink, the recent window and the partial tail
+    const uint32_t B = kp.block;
+    const uint32_t need = kvmem_div_up(n_embd + B - 1, B) + geom.floor_share() - 1; // blocks of the share
+    const uint32_t share = share_blocks(seq_id);
+    if (need > share) {
+        const uint32_t n_active = std::max<uint32_t>(1, geom.budget_blocks/std::max<uint32_t>(1, share));
+        set_last_error(format("an image of %u tokens does not fit the KV tiering working set (--kvmem-budget %u%s): "
                 "its tokens are on the GPU together, next to the conversation's sink and recent window, whenever it "
-                "is read or retrieved; this needs --kvmem-budget %u or more (or a smaller image)", n_embd, kp.budget,
-                kvmem_div_up(need, kp.block)*kp.block));
+                "is read or retrieved; this needs --kvmem-budget %u or more%s (or a smaller image)", n_embd, kp.budget,
+                n_active > 1 ? format(", shared by %u active slots", n_active).c_str() : "", need*n_active*B,
+                n_active > 1 ? ", or fewer parallel slots" : ""));
         return false;
     }
     st.embd_end = std::max(st.embd_end, end);

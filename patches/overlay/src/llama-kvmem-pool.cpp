@@ -332,19 +332,16 @@ bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ub
     // tier come back; when that would not fit (after moving other sequences' blocks to disk), the batch is refused
     // before any work (decode returns 1, as for a full KV cache, so the server frees idle slots of a shared pool
     // and retries)
+    const int32_t B = kp.block;
     std::map<llama_seq_id, llama_pos> pmax;
+    std::map<std::pair<llama_seq_id, int32_t>, uint32_t> added; // the batch's cells per block of each sequence
     for (size_t u = 0; u < n_ubatches; ++u) {
         const llama_ubatch & ub = ubatches[u];
         for (uint32_t i = 0; i < ub.n_tokens; ++i) {
-            const auto it = pmax.find(ub.seq_id[i][0]);
-            pmax[ub.seq_id[i][0]] = it == pmax.end() ? ub.pos[i] : std::max(it->second, ub.pos[i]);
-        }
-    }
-    // an image's cells share positions: its block takes a slot per B of them, on top of its positions' count
-    std::map<llama_seq_id, uint32_t> embd_cells;
-    for (size_t u = 0; u < n_ubatches; ++u) {
-        for (uint32_t i = 0; ubatches[u].embd && i < ubatches[u].n_tokens; ++i) {
-            embd_cells[ubatches[u].seq_id[i][0]]++;
+            const llama_seq_id s = ub.seq_id[i][0];
+            const auto it = pmax.find(s);
+            pmax[s] = it == pmax.end() ? ub.pos[i] : std::max(it->second, ub.pos[i]);
+            added[{ s, ub.pos[i]/B }]++;
         }
     }
     std::set<llama_seq_id> keep;
@@ -353,9 +350,14 @@ bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ub
     for (const auto & [s, p] : pmax) {
         keep.insert(s);
         kvmem_seq * st = find_seq(s);
-        const int32_t next = st ? st->next_host : 0;
-        const int32_t done = (p + 1)/(int32_t) kp.block;
-        need += (done > next ? done - next : 0) + kvmem_div_up(embd_cells[s], kp.block);
+        // a slot per B cells of each block the batch completes (an image's cells share a position: more than one)
+        for (int32_t b = st ? st->next_host : 0; b < (p + 1)/B; ++b) {
+            if (!st || !st->blocks.count(b)) {
+                const auto a = added.find({ s, b });
+                const uint32_t n = (st ? (uint32_t) block_cells(s, b).size() : 0) + (a == added.end() ? 0 : a->second);
+                need += kvmem_div_up(n, (uint32_t) B);
+            }
+        }
         if (st) {
             st->last_used = use_clock;
             back += n_on_disk(*st);
@@ -400,7 +402,7 @@ bool llama_kvmem_cache::host_room_for(const llama_ubatch * ubatches, size_t n_ub
     return false;
 }
 
-void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
+void llama_kvmem_cache::write_through(llama_seq_id seq_id, bool embd) {
     const int32_t B = kp.block;
     const auto & cells = kvmem_cells();
     const llama_pos pmax = cells.seq_pos_max(seq_id);
@@ -408,7 +410,9 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
         return;
     }
     kvmem_seq & st = open_seq(seq_id); // a follower's sequence starts here (it sees no begin_batch)
-    const int32_t done = (pmax + 1)/B;
+    // after an image's ubatch the block of its position is not done: its next ubatch adds cells at that position
+    const int32_t done = embd ? pmax/B : (pmax + 1)/B;
+    int32_t written = done;
     for (int32_t b = st.next_host; b < done; ++b) {
         if (st.blocks.count(b)) {
             continue;
@@ -427,6 +431,7 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
                 LLAMA_LOG_ERROR("%s: kvmem host pool is full; raise --kvmem-host-mib\n", __func__);
                 host_full_logged = true;
             }
+            written = b; // tried again after the next ubatch
             break;
         }
         hb.resident = true;
@@ -438,7 +443,7 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
             }
         }
         copy_block(hb, idx, /*to_dev*/ false);
-        if (kp.trace && hb.irregular()) {
+        if (kp.trace && hb.holds_image()) {
             LLAMA_LOG_WARN("kvmem_trace: image seq=%d block=%d cells=%zu slots=%u\n", seq_id, b, idx.size(), hb.n_slots());
         }
         st.blocks.emplace(b, std::move(hb));
@@ -449,7 +454,7 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id) {
         store_summary(st, b, st.blocks.at(b));
     }
     copier.wait();
-    st.next_host = std::max(st.next_host, done);
+    st.next_host = std::max(st.next_host, written);
 }
 
 bool llama_kvmem_cache::take_slots(kvmem_block & hb, uint32_t n) {

@@ -33,7 +33,7 @@ void llama_kvmem_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph
     }
     const int64_t t_write = ggml_time_us();
     for (uint32_t s = 0; s < ubatch.n_seqs_unq; ++s) {
-        write_through(ubatch.seq_id_unq[s]);
+        write_through(ubatch.seq_id_unq[s], ubatch.embd != nullptr);
     }
     capture.write_us += ggml_time_us() - t_write;
     if (summaries) {

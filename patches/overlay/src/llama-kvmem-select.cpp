@@ -182,7 +182,7 @@ kvmem_plan kvmem_plan_selection(const kvmem_geometry & g, const kvmem_seq & st, 
         kvmem_trace_ranked(seq_id, reason, ranked, lex);
     }
     // inside a prompt (retrieval prefill) the picks take at most half: the newest blocks are the other half
-    const size_t n_fixed = plan.target.size();
+    const size_t n_fixed = plan.weight;
     const size_t cap = reason == kvmem_reason::PREFILL ? n_fixed + (avail - std::min<size_t>(avail, n_fixed))/2 : avail;
     std::map<int32_t, float> att;
     for (const auto & [score, b] : ranked) {
@@ -408,8 +408,8 @@ kvmem_selected llama_kvmem_cache::select(llama_seq_id seq_id, kvmem_reason reaso
 std::string llama_kvmem_cache::capture_fields(const kvmem_seq & st) const {
     uint32_t images = 0, images_resident = 0; // blocks that hold an image (its cells share positions)
     for (const auto & [b, hb] : st.blocks) {
-        images += hb.irregular() ? 1 : 0;
-        images_resident += hb.irregular() && hb.resident ? 1 : 0;
+        images += hb.holds_image() ? 1 : 0;
+        images_resident += hb.holds_image() && hb.resident ? 1 : 0;
     }
     return format("captured_q=%u image_blocks=%u image_resident=%u capture_fetch_ms=%.3f capture_write_ms=%.3f "
             "capture_ubatches=%u decode_ms=%.3f decodes=%u", capture.q_rows, images, images_resident,

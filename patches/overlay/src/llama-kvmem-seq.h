@@ -13,6 +13,7 @@
 #include "llama-kvmem-lexical.h"
 #include "llama-kvmem-snapshot.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <deque>
@@ -71,6 +72,8 @@ struct kvmem_block {
 
     uint32_t n_slots() const { return 1 + (uint32_t) more_slots.size(); } // its weight in a share of blocks
     bool     irregular() const { return !pos.empty(); }
+    // cells that share a position: an image's (a block after an image's span is irregular only for its gap)
+    bool     holds_image() const { return std::adjacent_find(pos.begin(), pos.end()) != pos.end(); }
     // the position of cell t of block b (B cells per block)
     llama_pos cell_pos(int32_t b, uint32_t B, uint32_t t) const { return pos.empty() ? b*(llama_pos) B + (llama_pos) t : pos[t]; }
 };

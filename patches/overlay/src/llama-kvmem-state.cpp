@@ -253,7 +253,7 @@ void llama_kvmem_cache::find_images(kvmem_seq & st) const {
     // that holds one
     st.embd_end = -1;
     for (const auto & [b, hb] : st.blocks) {
-        if (hb.irregular()) {
+        if (hb.holds_image()) {
             st.embd_end = (b + 1)*(llama_pos) kp.block;
         }
     }
@@ -372,7 +372,10 @@ void llama_kvmem_cache::read_seq(llama_io_read_i & io, llama_seq_id seq_id) {
     st.rows.key = kvmem_take_map<llama_pos, float>(io, (size_t) get_size()*dims.key_row()); // an image's: a row per cell
     st.rows.tokens = kvmem_take_map<int32_t, llama_token>(io, kp.block);
     for (const auto & [p, row] : st.rows.key) {
-        kvmem_check_size(row.size() % dims.key_row() == 0 ? dims.key_row() : row.size() + 1, dims.key_row(), "key row");
+        if (row.empty() || row.size() % dims.key_row() != 0) { // a row per cell at the position (an image's: several)
+            throw std::runtime_error(format("a tiered state's key rows at position %d hold %zu values, not a multiple "
+                    "of %zu: the file is corrupt", p, row.size(), dims.key_row()));
+        }
     }
     for (const auto & [b, toks] : st.rows.tokens) {
         kvmem_check_size(toks.size(), kp.block, "block's token ids");

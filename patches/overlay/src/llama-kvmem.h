@@ -334,7 +334,9 @@ private:
             const std::vector<uint32_t> & sizes);
     // a sequence's cells at the block's positions, by position then cell
     std::vector<uint32_t> block_cells(llama_seq_id seq_id, int32_t b) const;
-    void write_through(llama_seq_id seq_id);
+    // the sequence's completed blocks into the host pool; embd: after an image's ubatch (its position's block
+    // may get more of its cells)
+    void write_through(llama_seq_id seq_id, bool embd = false);
     // n free host slots for hb (false, taking none, when fewer are free)
     bool take_slots(kvmem_block & hb, uint32_t n);
     // a block's cells idx (its cell order) to or from its slots; asynchronous until copier.wait()

@@ -45,6 +45,10 @@ KV_SUITE(seq) {
     st.blocks[2].pos = { 40, 40, 41 };
     st.blocks[2].resident = true;
     KV_CHECK(st.blocks[2].n_slots() == 3 && st.blocks[2].irregular() && st.blocks[2].cell_pos(2, 16, 1) == 40);
+    KV_CHECK(st.blocks[2].holds_image());
+    st.blocks[6].pos = { 100, 101, 103 }; // text after an image's span: a gap, no shared position
+    KV_CHECK(st.blocks[6].irregular() && !st.blocks[6].holds_image());
+    st.blocks.erase(6);
     KV_CHECK(st.blocks[5].cell_pos(5, 16, 3) == 83 && !st.blocks[5].irregular());
     KV_CHECK(st.n_resident() == 3 && st.n_slots() == 4 && !st.all_resident());
     st.blocks[5].resident = true;
