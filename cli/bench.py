@@ -34,12 +34,16 @@ from kvmem_llama.engine import lookup_engine
               help="Start turn 1 with this image (PNG/JPEG; needs --mmproj in --server-args): text fills the "
                    "context after it and turn 2 decodes after it at depth. Rows add the image's tokens and the "
                    "server's ms to encode and to decode it.")
+@click.option("--image-at", default=0, show_default=True, type=click.IntRange(0),
+              help="Tokens of text before the image in turn 1 (0: the image opens the conversation, in the sink "
+                   "block that never leaves the working set; past the sink and the recent window it can be evicted "
+                   "and retrieved).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"),
               show_default=True)
 @click.pass_context
 def bench(ctx: click.Context, engine: str | None, model: Path | None, config: str | None, contexts: str,
           gen_tokens: int, repeats: int, fresh_servers: bool, server_args: str, image: Path | None,
-          out_dir: Path) -> None:
+          image_at: int, out_dir: Path) -> None:
     """Measure prefill/decode speed, VRAM, host RSS and selection time at long contexts.
 
     Per context one server: turn 1 fills the context (prefill tok/s, once); then each repeat is a turn 2
@@ -54,6 +58,8 @@ def bench(ctx: click.Context, engine: str | None, model: Path | None, config: st
         raise click.UsageError("--engine, --model and --config are required")
     server = lookup_engine(engine).server
     args = shlex.split(server_args)
+    if image_at and image is None:
+        raise click.UsageError("--image-at places an --image: give one")
     if image is not None and "--mmproj" not in args:
         raise click.UsageError("--image needs the model's vision projector: add --mmproj FILE to --server-args")
     image_bytes = image.read_bytes() if image is not None else None
@@ -79,12 +85,12 @@ def bench(ctx: click.Context, engine: str | None, model: Path | None, config: st
                 console.print(f"[dim]•[/] {config} @ {context:,} tokens, server {repeat + 1}/{repeats}: "
                               "turn 1 + turn 2 …")
                 run_cell(server, model, config, context, args, out_dir / "logs", gen_tokens, 1,
-                         first_repeat=repeat, image=image_bytes, on_result=record)
+                         first_repeat=repeat, image=image_bytes, image_at=image_at, on_result=record)
         else:
             console.print(f"[dim]•[/] {config} @ {context:,} tokens: one server, turn 1 + {repeats} repeats of "
                           "turn 2 …")
             run_cell(server, model, config, context, args, out_dir / "logs", gen_tokens, repeats, image=image_bytes,
-                     on_result=record)
+                     image_at=image_at, on_result=record)
         ok = [r.decode_tps for r in results if not r.error]
         console.print(f"  {config} @ {context:,}: {len(ok)}/{repeats} repeats" + (
             f", decode median {statistics.median(ok):.1f} tok/s" if ok else ""))

@@ -280,11 +280,11 @@ def _turn2_tokens(seed: int, context: int, repeat: int, top: int) -> list[int]:
 
 def run_cell(server: Path, model: Path, config: str, context: int, server_args: list[str], log_dir: Path,
              gen_tokens: int = 1024, repeats: int = 1, *, first_repeat: int = 0, port: int | None = None,
-             seed: int = 0, ready_timeout: float = 600, image: bytes | None = None,
+             seed: int = 0, ready_timeout: float = 600, image: bytes | None = None, image_at: int = 0,
              on_result: Callable[[BenchResult], None] | None = None) -> list[BenchResult]:
     """One server: turn 1 (the prefill) once, then `repeats` turn 2s on its prefix; one row per repeat,
     numbered from `first_repeat`. `on_result` gets each row as soon as it is complete. `image`: turn 1 starts
-    with it (module docstring)."""
+    with it (module docstring), after `image_at` tokens of text (past the sink, the image's block can leave)."""
     repeat_ids = list(range(first_repeat, first_repeat + repeats))
     name = f"r{repeat_ids[0]}" if repeats == 1 else f"r{repeat_ids[0]}-{repeat_ids[-1]}"
     log_path = log_dir / f"{config}-{context}-{name}.log"
@@ -326,9 +326,10 @@ def run_cell(server: Path, model: Path, config: str, context: int, server_args: 
                 else:
                     media = base64.b64encode(image).decode()
                     marker = http.get("/props", timeout=10).json()["media_marker"]  # the server's own, random
-                    text = _words(http, context - TURN1_GEN, f"turn1-{seed}-{context}")
-                    n_text = len(http.post("/tokenize", json={"content": text}).json()["tokens"])
-                    prompt = {"prompt_string": marker + text, "multimodal_data": [media]}
+                    before = _words(http, image_at, f"before-{seed}-{context}") if image_at > 0 else ""
+                    text = _words(http, context - TURN1_GEN - image_at, f"turn1-{seed}-{context}")
+                    n_text = len(http.post("/tokenize", json={"content": before + text}).json()["tokens"])
+                    prompt = {"prompt_string": before + marker + text, "multimodal_data": [media]}
                 turn1_start = log.size()
                 first = _complete(http, prompt, TURN1_GEN)
                 if image is not None:

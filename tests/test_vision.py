@@ -365,14 +365,14 @@ def test_kvmem_chat_sends_an_image_with_the_next_message(cpu_engine, qwen35, mmp
 @pytest.mark.engine
 def test_kvmem_bench_puts_an_image_at_the_start_of_turn_1_and_decodes_after_it(cpu_engine, qwen35, mmproj,
                                                                                tmp_path: Path) -> None:
-    """`kvmem bench --image`: turn 1 is the image then text up to the context (the image evicted under tiering
-    as the text is read), turn 2 continues it; the rows carry the image's tokens and the server's encode and
-    decode times. Without --mmproj the option is refused with what to add."""
+    """`kvmem bench --image --image-at 512`: turn 1 is 512 tokens of text, the image, then text up to the context
+    (the image's block in the host pool under tiering), turn 2 continues it; the rows carry the image's tokens and
+    the server's encode and decode times. Without --mmproj the option is refused with what to add."""
     image = tmp_path / "bench.png"
     image.write_bytes(png(128, 128, seed=6))
     out = tmp_path / "bench"
     base = ["kvmem", "bench", "--engine", str(cpu_engine.path), "--model", str(qwen35["plain"]), "--contexts", "2048",
-            "--gen", "8", "--repeats", "2", "--image", str(image), "--out", str(out)]
+            "--gen", "8", "--repeats", "2", "--image", str(image), "--image-at", "512", "--out", str(out)]
     for config, extra in (("off", ""), ("on", " --kvmem-budget 512 --kvmem-block 64 --kvmem-recent 128")):
         run = subprocess.run([*base, "--config", config, "--server-args", f"-t 2 --mmproj {mmproj}{extra}"],
                              capture_output=True, text=True, timeout=600)

@@ -5,7 +5,8 @@
 #   here:      bash packaging/device/issue24.sh stage      (the same wheels, source pack and vocabulary)
 #   call 1:    bash packaging/device/issue26.sh start      (carry: [".whl", ".kvmem"])
 #   calls 2..: bash packaging/device/issue26.sh wait 540   (as issue24.sh)
-# CELLS overrides the cells (CONTEXT:tiering-off|tiering-on); REPEATS (3) turns per cell; IMAGE (896) its side.
+# CELLS overrides the cells (CONTEXT:tiering-off|tiering-on); REPEATS (3) turns per cell; IMAGE (896) its side;
+# IMAGE_AT (4096) tokens of text before it (past the sink and the recent window, so that its block can leave).
 set -uo pipefail
 CELLS=${CELLS:-"32768:tiering-off 32768:tiering-on 131072:tiering-on 131072:tiering-off"}
 . "$(dirname "$0")/job.sh"
@@ -27,8 +28,8 @@ run)
     [ "$config" = tiering-on ] && args="$GPU --kvmem-budget 32768"
     start=$(date +%s)
     kvmem bench --engine cuda-sm90 --model /tmp/qwen35-27b.gguf --config "image-$config" --contexts "$context" \
-      --gen "${GEN:-1024}" --repeats "${REPEATS:-3}" --image /tmp/image.png --server-args "$args" --out /tmp/bench \
-      2>&1 | tee -a "$OUT/bench-console.txt" | tail -2
+      --gen "${GEN:-1024}" --repeats "${REPEATS:-3}" --image /tmp/image.png --image-at "${IMAGE_AT:-4096}" \
+      --server-args "$args" --out /tmp/bench 2>&1 | tee -a "$OUT/bench-console.txt" | tail -2
     echo "cell $cell: $(( $(date +%s) - start )) s" | tee -a "$OUT/bench-notes.txt"
     cp /tmp/bench/results.jsonl "$OUT/"
     tar -czf "$OUT/bench-logs.tar.gz" -C /tmp/bench logs

@@ -61,7 +61,6 @@ kvmem_query kvmem_query_rows(const kvmem_seq & st, uint32_t query_tokens) {
     return q;
 }
 
-// the blocks every selection keeps: the sink, the question (newest blocks of it first), the recent window
 // b joins the target if its slots fit under `cap` (false: it is in already, or does not fit)
 static bool kvmem_plan_add(const kvmem_seq & st, int32_t b, size_t cap, kvmem_plan & plan) {
     const uint32_t w = st.blocks.at(b).n_slots();
@@ -73,6 +72,7 @@ static bool kvmem_plan_add(const kvmem_seq & st, int32_t b, size_t cap, kvmem_pl
     return true;
 }
 
+// the blocks every selection keeps: the sink, the question (newest blocks of it first), the recent window
 static void kvmem_plan_fixed(const kvmem_geometry & g, const kvmem_seq & st, uint32_t avail, kvmem_plan & plan) {
     const int32_t B = g.block;
     for (const auto & [b, hb] : st.blocks) {
