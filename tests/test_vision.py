@@ -218,8 +218,8 @@ def test_a_long_tiered_conversation_moves_its_image_to_the_host_pool_and_scores_
     assert len(turns) >= 2 and all(e["n_blocks"] > e["budget_blocks"] for e in turns)  # history beyond the budget
     assert all(e["image_blocks"] == 1 for e in turns), turns
     # every turn scores it (its summary is built from all its cells' keys)
-    ranked = re.findall(r"kvmem_trace: ranked seq=0 reason=turn attention=([\d,]*)", log)
-    assert len(ranked) >= 2 and all(str(image_block) in r.split(",") for r in ranked), ranked
+    ranked = [e["attention"] for e in kvmem_log.rankings(log) if e["seq"] == 0 and e["reason"] == "turn"]
+    assert len(ranked) >= 2 and all(image_block in r for r in ranked), ranked
     # while the answer is generated the image's cells are counted: re-selections come every --kvmem-refresh
     # tokens, not at every token for want of room
     during = [e for e in kvmem_log.selects(log.splitlines()) if e["reason"] in ("refresh", "room")]

@@ -421,10 +421,7 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id, bool embd) {
         if (idx.empty()) {
             continue; // positions an image spans without cells of their own
         }
-        bool regular = (int32_t) idx.size() == B; // one cell at each of the block's positions
-        for (int32_t t = 0; regular && t < B; ++t) {
-            regular = cells.pos_get(idx[t]) == b*B + t;
-        }
+        const bool regular = one_cell_per_position(b, idx);
         kvmem_block hb;
         if (!take_slots(hb, kvmem_div_up((uint32_t) idx.size(), (uint32_t) B))) {
             if (!host_full_logged) {
@@ -455,6 +452,15 @@ void llama_kvmem_cache::write_through(llama_seq_id seq_id, bool embd) {
     }
     copier.wait();
     st.next_host = std::max(st.next_host, written);
+}
+
+bool llama_kvmem_cache::one_cell_per_position(int32_t b, const std::vector<uint32_t> & idx) const {
+    const int32_t B = kp.block;
+    bool regular = (int32_t) idx.size() == B;
+    for (int32_t t = 0; regular && t < B; ++t) {
+        regular = kvmem_cells().pos_get(idx[t]) == b*B + t;
+    }
+    return regular;
 }
 
 bool llama_kvmem_cache::take_slots(kvmem_block & hb, uint32_t n) {

@@ -231,10 +231,7 @@ void llama_kvmem_cache::build_summary(llama_seq_id seq_id, kvmem_seq & st, int32
         return; // not complete (yet)
     }
     const std::vector<uint32_t> cells = block_cells(seq_id, b);
-    bool regular = (int32_t) cells.size() == B;
-    for (int32_t t = 0; regular && t < B; ++t) {
-        regular = kvmem_cells().pos_get(cells[t]) == b*B + t;
-    }
+    const bool regular = one_cell_per_position(b, cells);
     // the rows are read where they were captured (a 27B model's block is 8 MB of them: no copy)
     std::vector<const float *> rows;
     bool complete = true;

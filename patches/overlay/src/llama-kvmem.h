@@ -337,6 +337,8 @@ private:
     // the sequence's completed blocks into the host pool; embd: after an image's ubatch (its position's block
     // may get more of its cells)
     void write_through(llama_seq_id seq_id, bool embd = false);
+    // whether cells idx of block b are one at each of its B positions (a pool slot's layout; an image's are not)
+    bool one_cell_per_position(int32_t b, const std::vector<uint32_t> & idx) const;
     // n free host slots for hb (false, taking none, when fewer are free)
     bool take_slots(kvmem_block & hb, uint32_t n);
     // a block's cells idx (its cell order) to or from its slots; asynchronous until copier.wait()
