@@ -59,9 +59,9 @@ public:
     std::optional<kvmem_victim> victim(const kvmem_seqs & seqs, llama_seq_id for_seq,
             const leader_query & resident_in_leader = nullptr) const;
 
-    // blocks the sequence could give up for a batch of in_batch sequences: (resident, movable)
-    std::pair<uint32_t, uint32_t> movable_blocks(const kvmem_seqs & seqs, llama_seq_id s, bool in_batch,
-            bool alone_in_batch) const;
+    // cells the sequence could give up for a batch of in_batch sequences (an image's block frees its cells, not
+    // its slots times B; past the share cap, at most B cells a slot)
+    uint32_t movable_cells(const kvmem_seqs & seqs, llama_seq_id s, bool in_batch, bool alone_in_batch) const;
 
     const kvmem_geometry g;
 };

@@ -72,6 +72,7 @@ struct kvmem_block {
 
     uint32_t n_slots() const { return 1 + (uint32_t) more_slots.size(); } // its weight in a share of blocks
     bool     irregular() const { return !pos.empty(); }
+    uint32_t n_cells(uint32_t B) const { return pos.empty() ? B : (uint32_t) pos.size(); } // a complete block's
     // cells that share a position: an image's (a block after an image's span is irregular only for its gap)
     bool     holds_image() const { return std::adjacent_find(pos.begin(), pos.end()) != pos.end(); }
     // the position of cell t of block b (B cells per block)

@@ -98,24 +98,27 @@ std::optional<kvmem_victim> kvmem_residency::victim(const kvmem_seqs & seqs, lla
     return best;
 }
 
-std::pair<uint32_t, uint32_t> kvmem_residency::movable_blocks(const kvmem_seqs & seqs, llama_seq_id s, bool in_batch,
-        bool alone_in_batch) const {
+uint32_t kvmem_residency::movable_cells(const kvmem_seqs & seqs, llama_seq_id s, bool in_batch, bool alone_in_batch) const {
     // what evictions could take for a ubatch of the batch: idle sequences' blocks, prompts' blocks, a generating
     // sequence's own blocks when it is alone in the batch, otherwise only beyond its share
     const kvmem_seq & st = seqs.at(s);
     const bool idle = !in_batch && !st.active();
-    uint32_t resident = 0, movable = 0;
+    uint32_t resident = 0, movable = 0, cells = 0;
     for (const auto & [b, hb] : st.blocks) {
         if (hb.resident) {
             resident += hb.n_slots();
-            movable += (uint32_t) b >= g.sink_blocks && (idle || !protected_block(st, b)) ? hb.n_slots() : 0;
+            if ((uint32_t) b >= g.sink_blocks && (idle || !protected_block(st, b))) {
+                movable += hb.n_slots();
+                cells   += hb.n_cells(g.block);
+            }
         }
     }
     if (!idle && st.phase() == kvmem_phase::GEN && !(in_batch && alone_in_batch)) {
         const uint32_t share = share_blocks(seqs, s);
         movable = std::min(movable, resident > share ? resident - share : 0);
+        cells   = std::min(cells, movable*g.block);
     }
-    return { resident, movable };
+    return cells;
 }
 
 //
@@ -280,7 +283,7 @@ void llama_kvmem_cache::fit_ubatch(const llama_batch_allocr & balloc, uint32_t &
     const uint32_t B = kp.block;
     uint64_t room = n_free;
     for (const auto & [s, st] : seqs) {
-        room += (uint64_t) rules.movable_blocks(seqs, s, in_batch.count(s) > 0, in_batch.size() == 1).second*B;
+        room += rules.movable_cells(seqs, s, in_batch.count(s) > 0, in_batch.size() == 1);
     }
     if (room >= (uint64_t) batch.n_tokens) {
         return;

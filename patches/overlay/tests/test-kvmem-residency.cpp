@@ -34,12 +34,14 @@ KV_SUITE(residency) {
     seqs[1] = make_seq(6, { 0, 1, 2, 3, 4 }); // a prompt within its share
     seqs[1].start_prompt(false, 0);
     KV_CHECK(rules.share_blocks(seqs, 0) == 5 && rules.share_blocks(seqs, 1) == 5);
-    // a block of an image (three slots' worth of cells) weighs three blocks: in what is resident and in the room
-    // its eviction would make
+    // a block of an image (40 cells at one position: three slots) weighs three blocks in what is resident; its
+    // eviction frees its 40 cells, not three blocks' 48
     seqs[1].blocks[3].more_slots = { 20, 21 };
+    seqs[1].blocks[3].pos.assign(40, 3*16);
     KV_CHECK(seqs[1].n_resident() == 7);
-    KV_CHECK(rules.movable_blocks(seqs, 1, false, false) == std::make_pair(7u, 6u)); // all but the sink
+    KV_CHECK(rules.movable_cells(seqs, 1, false, false) == 3*16 + 40); // all but the sink
     seqs[1].blocks[3].more_slots.clear();
+    seqs[1].blocks[3].pos.clear();
 
     // protected: the sink always; while generating the question and the newest blocks; a prompt protects none
     const kvmem_seq & gen = seqs[0];
@@ -98,8 +100,13 @@ KV_SUITE(residency) {
     // next to others only what it holds beyond its share
     kvmem_seqs two;
     two[0] = generating(make_seq(12, { 0, 1, 2, 3, 4, 5, 6, 7, 10, 11 }), 10*16, 11*16, 12*16);
-    KV_CHECK(rules.movable_blocks(two, 0, true, true) == std::make_pair(10u, 7u));
+    KV_CHECK(rules.movable_cells(two, 0, true, true) == 7*16);
     two[1] = make_seq(2, { 0, 1 });
     two[1].start_prompt(false, 0);
-    KV_CHECK(rules.movable_blocks(two, 0, true, false) == std::make_pair(10u, 5u));
+    KV_CHECK(rules.movable_cells(two, 0, true, false) == 5*16);
+    // an image's block of two slots (20 cells) frees its 20 cells; under the share cap a slot counts at most B
+    two[0].blocks[2].more_slots = { 30 };
+    two[0].blocks[2].pos.assign(20, 2*16);
+    KV_CHECK(rules.movable_cells(two, 0, true, true) == 6*16 + 20);
+    KV_CHECK(rules.movable_cells(two, 0, true, false) == 6*16); // 11 slots resident, share 5: six slots may go
 }
