@@ -25,6 +25,8 @@ from kvmem_llama.models.gguf_info import model_info
 from kvmem_llama.synth_vision import PRESETS, synthesize_mmproj
 
 REPO = "test-org/Tiny-VL-GGUF"
+# the disk-tier test: a host pool of 16 tiny-qwen35 blocks (128 KiB each); slot 1's 15 push out slot 0's image
+HOST_MIB, DISK_ESSAY = "2", 130
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +184,12 @@ def test_an_image_under_tiering_with_room_for_everything_is_token_identical_to_t
     assert answers["4096"].usage.prompt_tokens == answers["0"].usage.prompt_tokens
 
 
+def ask_slot(cli: openai.OpenAI, slot: int, what: list[dict] | str):
+    text = [{"type": "text", "text": what}] if isinstance(what, str) else what
+    return cli.chat.completions.create(model="any", messages=[{"role": "user", "content": text}], max_tokens=8,
+                                       temperature=0, logprobs=True, top_logprobs=2, extra_body={"id_slot": slot})
+
+
 def trace_blocks(log: str, what: str, seq: int) -> list[int]:
     """The blocks of `kvmem_trace: <what> seq=<seq> block=N` lines, in order."""
     return [int(m[1]) for m in re.finditer(rf"kvmem_trace: {what} seq={seq} block=(\d+)", log)]
@@ -236,12 +244,6 @@ def test_an_image_evicted_by_another_slot_comes_back_whole_and_the_answer_is_tie
     tiering off's, token for token. Saved while the image is in the host pool and restored into another server,
     the slot answers the same."""
     content = image_prompt(essay(10), png(96, 64, seed=5), "What is in the picture? " + essay(12))
-
-    def ask_slot(cli: openai.OpenAI, slot: int, what: list[dict] | str):
-        text = [{"type": "text", "text": what}] if isinstance(what, str) else what
-        return cli.chat.completions.create(model="any", messages=[{"role": "user", "content": text}], max_tokens=8,
-                                           temperature=0, logprobs=True, top_logprobs=2, extra_body={"id_slot": slot})
-
     with llama_server(qwen35["plain"], ["--mmproj", str(mmproj), "-c", "4096", "-np", "1",
                                         "--kvmem-budget", "0"]) as srv:
         reference = ask_slot(client(srv.url), 0, content)
@@ -280,6 +282,45 @@ def test_an_image_evicted_by_another_slot_comes_back_whole_and_the_answer_is_tie
     assert restored_turns[-1]["image_blocks"] == 1 and restored_turns[-1]["image_resident"] == 1, restored_turns
     assert "GGML_ASSERT" not in resumed_log
     assert_near(resumed, reference)
+
+
+@pytest.mark.engine
+def test_an_idle_slots_image_goes_to_the_disk_tier_and_comes_back_whole(llama_server, qwen35, mmproj,
+                                                                      tmp_path) -> None:
+    """With a host pool too small for both slots, slot 1's long prompt sends idle slot 0's blocks to the disk
+    tier, its image's block too (a record for each of its slots). Slot 0 asks again: its blocks come back into the
+    pool (slot 1's leave for them), the image's whole, and the answer is tiering off's."""
+    content = image_prompt(essay(10), png(96, 64, seed=5), "What is in the picture? " + essay(12))
+    with llama_server(qwen35["plain"], ["--mmproj", str(mmproj), "-c", "4096", "-np", "1",
+                                        "--kvmem-budget", "0"]) as srv:
+        reference = ask_slot(client(srv.url), 0, content)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    with llama_server(qwen35["plain"], ["--mmproj", str(mmproj), "-c", "8192", "-np", "2", "--kv-unified",
+                                        "--kvmem-budget", "1024", "--kvmem-trace", "--kvmem-host-mib", HOST_MIB,
+                                        "--kvmem-disk-path", str(disk)]) as srv:
+        cli = client(srv.url)
+        ask_slot(cli, 0, content)
+        ask_slot(cli, 1, essay(DISK_ESSAY))
+        away = kvmem_slots(srv.url)
+        again = ask_slot(cli, 0, content)
+        back = kvmem_slots(srv.url)
+        log = srv.log()
+    assert "GGML_ASSERT" not in log
+    images = re.findall(r"kvmem_trace: image seq=0 block=(\d+) cells=\d+ slots=(\d+)", log)
+    assert len(images) == 1 and int(images[0][1]) >= 2, images
+    spilled = re.findall(r"kvmem_trace: spill seq=0 block=(\d+) slots=(\d+)", log)
+    assert images[0] in spilled, (images, spilled)
+    assert away[0]["blocks_disk"] >= int(images[0][1]) and away[1]["blocks_disk"] == 0, away
+    assert "back from the disk tier" in log and back[0]["blocks_disk"] == 0 and back[1]["blocks_disk"] > 0, back
+    turns = [e for e in kvmem_log.selects(log.splitlines()) if e["seq"] == 0 and e["reason"] == "turn"]
+    assert turns[-1]["image_blocks"] == 1 and turns[-1]["image_resident"] == 1, turns
+    assert_near(again, reference)
+    assert list(disk.iterdir()) == []
+
+
+def kvmem_slots(url: str) -> dict[int, dict]:
+    return {s["id"]: s["kvmem"] for s in httpx.get(f"{url}/slots", timeout=30, trust_env=False).json()}
 
 
 def assert_near(got, reference) -> None:

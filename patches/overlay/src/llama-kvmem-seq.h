@@ -68,9 +68,11 @@ struct kvmem_block {
     bool     summarized = false; // its summary is in the summary store's slot, the only copy (not in rows.summary)
     bool     on_disk  = false; // in the disk tier's record disk_rec (with its summary), not in the pool (slot is free)
     uint32_t disk_rec = 0;
+    std::vector<uint32_t> more_recs; // on disk: a record for each slot after the first (more_slots is then empty)
     std::vector<llama_kv_cell_ext> ext; // per cell (M-RoPE positions)
 
-    uint32_t n_slots() const { return 1 + (uint32_t) more_slots.size(); } // its weight in a share of blocks
+    // its weight in a share of blocks
+    uint32_t n_slots() const { return 1 + (uint32_t) (on_disk ? more_recs.size() : more_slots.size()); }
     bool     irregular() const { return !pos.empty(); }
     uint32_t n_cells(uint32_t B) const { return pos.empty() ? B : (uint32_t) pos.size(); } // a complete block's
     // cells that share a position: an image's (a block after an image's span is irregular only for its gap)

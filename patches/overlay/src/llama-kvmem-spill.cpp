@@ -13,9 +13,14 @@
 #include <stdexcept>
 #include <tuple>
 
-// a disk record holds one slot: a block of more slots (an image's) stays in the host pool
+// a disk record holds one slot: a block of more slots (an image's) takes a record for each
 static bool kvmem_may_spill(const kvmem_block & hb) {
-    return !hb.on_disk && hb.more_slots.empty();
+    return !hb.on_disk;
+}
+
+// the disk record of slot j of a block on disk
+static uint32_t kvmem_disk_rec(const kvmem_block & hb, uint32_t j) {
+    return j == 0 ? hb.disk_rec : hb.more_recs.at(j - 1);
 }
 
 void llama_kvmem_cache::init_disk() {
@@ -36,7 +41,10 @@ uint8_t * llama_kvmem_cache::pool_bytes(const kvmem_block & hb) const {
 
 void llama_kvmem_cache::release_storage(kvmem_block & hb) {
     if (hb.on_disk) {
-        disk.give(hb.disk_rec);
+        for (uint32_t j = 0; j < hb.n_slots(); ++j) {
+            disk.give(kvmem_disk_rec(hb, j));
+        }
+        hb.more_recs.clear();
         hb.on_disk = false;
     } else {
         pool.give(hb.slot);
@@ -53,29 +61,48 @@ uint32_t llama_kvmem_cache::n_on_disk(const kvmem_seq & st) const {
     }
     uint32_t n = 0;
     for (const auto & [b, hb] : st.blocks) {
-        n += hb.on_disk ? 1 : 0;
+        n += hb.on_disk ? hb.n_slots() : 0;
     }
     return n;
 }
 
 bool llama_kvmem_cache::spill(kvmem_block & hb, std::string & err) {
     GGML_ASSERT(kvmem_may_spill(hb));
-    uint32_t rec = 0;
-    if (!disk.take(rec)) {
+    const uint32_t k = hb.n_slots();
+    if (disk.n_free() < k) {
         err = format("the disk tier is full (%u blocks, %.1f MiB under %s)", disk.capacity(),
                 disk.capacity()*disk.record_bytes()/1024.0/1024.0, disk.path().c_str());
         return false;
     }
-    // a summary in the store lives in the block's slot, which the next block takes: it goes along
+    std::vector<uint32_t> recs(k);
+    for (uint32_t & rec : recs) {
+        GGML_ASSERT(disk.take(rec));
+    }
+    // a summary in the store lives in the block's first slot, which the next block takes: it goes along, in the
+    // first record
     const std::vector<float> summary = hb.summarized ? summaries->get(hb.slot) : std::vector<float>();
-    if (!disk.write(rec, { { pool_bytes(hb), pool.block_bytes() }, { summary.data(), summary.size()*sizeof(float) } }, err)) {
-        disk.give(rec);
-        err = format("writing a block to the disk tier under %s failed: %s", disk.path().c_str(), err.c_str());
-        return false;
+    for (uint32_t j = 0; j < k; ++j) {
+        const uint32_t slot = j == 0 ? hb.slot : hb.more_slots[j - 1];
+        std::vector<kvmem_disk_tier::part_out> parts = { { pool.slot_ptr(slot), pool.block_bytes() } };
+        if (j == 0) {
+            parts.push_back({ summary.data(), summary.size()*sizeof(float) });
+        }
+        if (!disk.write(recs[j], parts, err)) {
+            for (const uint32_t rec : recs) {
+                disk.give(rec);
+            }
+            err = format("writing a block to the disk tier under %s failed: %s", disk.path().c_str(), err.c_str());
+            return false;
+        }
     }
     pool.give(hb.slot);
+    for (const uint32_t slot : hb.more_slots) {
+        pool.give(slot);
+    }
+    hb.more_slots.clear();
     hb.on_disk = true;
-    hb.disk_rec = rec;
+    hb.disk_rec = recs[0];
+    hb.more_recs.assign(recs.begin() + 1, recs.end());
     return true;
 }
 
@@ -86,7 +113,7 @@ uint32_t llama_kvmem_cache::n_spillable(const std::set<llama_seq_id> & keep) con
     uint32_t n = 0;
     for (const auto & [s, st] : seqs) {
         for (const auto & [b, hb] : st.blocks) {
-            n += !keep.count(s) && kvmem_may_spill(hb) ? 1 : 0;
+            n += !keep.count(s) && kvmem_may_spill(hb) ? hb.n_slots() : 0;
         }
     }
     return n;
@@ -119,10 +146,14 @@ bool llama_kvmem_cache::make_host_room(uint32_t need, const std::set<llama_seq_i
             }
         }
         for (const int32_t b : blocks) {
-            if (pool.n_free() >= need || !spill(st.blocks.at(b), spill_error)) {
+            kvmem_block & hb = st.blocks.at(b);
+            if (pool.n_free() >= need || !spill(hb, spill_error)) {
                 break;
             }
-            n_spilled++;
+            n_spilled += hb.n_slots();
+            if (kp.trace) {
+                LLAMA_LOG_WARN("kvmem_trace: spill seq=%d block=%d slots=%u\n", s, b, hb.n_slots());
+            }
         }
         if (pool.n_free() >= need || !spill_error.empty()) {
             break;
@@ -149,6 +180,39 @@ void llama_kvmem_cache::settle_disk(const char * why) {
     n_spilled = 0;
 }
 
+bool llama_kvmem_cache::read_home(kvmem_block & hb, std::string & err) {
+    const uint32_t k = hb.n_slots();
+    GGML_ASSERT(hb.on_disk && pool.n_free() >= k);
+    std::vector<uint32_t> slots(k);
+    for (uint32_t & slot : slots) {
+        GGML_ASSERT(pool.take(slot));
+    }
+    std::vector<float> summary(hb.summarized ? scorer->summary_size() : 0);
+    for (uint32_t j = 0; j < k; ++j) {
+        std::vector<kvmem_disk_tier::part_in> parts = { { pool.slot_ptr(slots[j]), pool.block_bytes() } };
+        if (j == 0) {
+            parts.push_back({ summary.data(), summary.size()*sizeof(float) });
+        }
+        if (!disk.read(kvmem_disk_rec(hb, j), parts, err)) {
+            for (const uint32_t slot : slots) {
+                pool.give(slot);
+            }
+            return false;
+        }
+    }
+    for (uint32_t j = 0; j < k; ++j) {
+        disk.give(kvmem_disk_rec(hb, j));
+    }
+    hb.on_disk = false;
+    hb.more_recs.clear();
+    hb.slot = slots[0];
+    hb.more_slots.assign(slots.begin() + 1, slots.end());
+    if (hb.summarized) {
+        summaries->put(hb.slot, summary.data());
+    }
+    return true;
+}
+
 bool llama_kvmem_cache::bring_home(llama_seq_id seq_id, const std::set<llama_seq_id> & keep) {
     kvmem_seq * st = find_seq(seq_id);
     if (!st || n_on_disk(*st) == 0) {
@@ -157,64 +221,34 @@ bool llama_kvmem_cache::bring_home(llama_seq_id seq_id, const std::set<llama_seq
     std::set<llama_seq_id> kept = keep;
     kept.insert(seq_id);
     // one block at a time, in the order of the records (one pass over the file): each that comes back frees the
-    // record that a block leaving for it takes, so two sequences trade places in a full pool over a full tier
+    // records that blocks leaving for it take, so two sequences trade places in a full pool over a full tier
     std::vector<std::pair<uint32_t, int32_t>> recs;
+    uint32_t n_recs = 0;
     for (const auto & [b, hb] : st->blocks) {
         if (hb.on_disk) {
             recs.push_back({ hb.disk_rec, b });
+            n_recs += hb.n_slots();
         }
     }
     std::sort(recs.begin(), recs.end());
-    std::vector<uint8_t> aside;
-    std::vector<float> summary;
     std::string err;
     const int64_t t0 = ggml_time_us();
     for (const auto & [rec, b] : recs) {
         kvmem_block & hb = st->blocks.at(b);
-        summary.assign(hb.summarized ? scorer->summary_size() : 0, 0.0f);
-        const std::vector<kvmem_disk_tier::part_in> parts_summary = { { summary.data(), summary.size()*sizeof(float) } };
-        if (pool.n_free() == 0 && n_spillable(kept) == 0) {
+        const uint32_t k = hb.n_slots();
+        if (pool.n_free() + n_spillable(kept) < k) {
             err = "no other sequence's blocks can leave the host pool for them";
             break;
         }
-        uint32_t slot = 0;
-        if (pool.n_free() > 0 || (disk.n_free() > 0 && make_host_room(1, kept))) {
-            GGML_ASSERT(pool.take(slot));
-            if (!disk.read(rec, { { pool.slot_ptr(slot), pool.block_bytes() }, parts_summary[0] }, err)) {
-                pool.give(slot);
+        if (pool.n_free() >= k || (disk.n_free() > 0 && make_host_room(k, kept))) {
+            if (!read_home(hb, err)) {
                 break;
             }
-            disk.give(rec);
-        } else if (disk.n_free() == 0) {
-            // the pool and the tier are both full: this block is read aside, and another takes its record
-            aside.resize(pool.block_bytes());
-            if (!disk.read(rec, { { aside.data(), aside.size() }, parts_summary[0] }, err)) {
-                break;
-            }
-            disk.give(rec);
-            if (!make_host_room(1, kept)) {
-                // the block goes back where it was (its record is the one just freed)
-                uint32_t again = 0;
-                std::string werr;
-                GGML_ASSERT(disk.take(again));
-                if (!disk.write(again, { { aside.data(), aside.size() }, { summary.data(), summary.size()*sizeof(float) } }, werr)) {
-                    GGML_ABORT("kvmem: a block of seq %d could be neither kept in the pool nor written back to disk: %s",
-                            seq_id, werr.c_str());
-                }
-                hb.disk_rec = again;
-                err = spill_error;
-                break;
-            }
-            GGML_ASSERT(pool.take(slot));
-            std::memcpy(pool.slot_ptr(slot), aside.data(), aside.size());
-        } else {
-            err = spill_error;
+        } else if (disk.n_free() > 0 || k > 1) {
+            err = spill_error.empty() ? "the disk tier has no room for the blocks that would make room for them" : spill_error;
             break;
-        }
-        hb.on_disk = false;
-        hb.slot = slot;
-        if (hb.summarized) {
-            summaries->put(slot, summary.data());
+        } else if (!trade_places(hb, kept, err)) {
+            break;
         }
     }
     if (summaries) {
@@ -229,17 +263,54 @@ bool llama_kvmem_cache::bring_home(llama_seq_id seq_id, const std::set<llama_seq
     }
     const double s = (ggml_time_us() - t0)/1e6;
     LLAMA_LOG_WARN("kvmem_disk: %zu blocks (%.1f MiB) of seq %d back from the disk tier in %.3f s (%.0f MB/s)\n",
-            recs.size(), pool.mib((uint32_t) recs.size()), seq_id, s, s > 0 ? recs.size()*disk.record_bytes()/1e6/s : 0.0);
+            recs.size(), pool.mib(n_recs), seq_id, s, s > 0 ? n_recs*disk.record_bytes()/1e6/s : 0.0);
+    return true;
+}
+
+bool llama_kvmem_cache::trade_places(kvmem_block & hb, const std::set<llama_seq_id> & kept, std::string & err) {
+    // the pool and the tier are both full: this one-slot block is read aside, and another takes its record
+    GGML_ASSERT(hb.on_disk && hb.n_slots() == 1);
+    std::vector<uint8_t> aside(pool.block_bytes());
+    std::vector<float> summary(hb.summarized ? scorer->summary_size() : 0);
+    if (!disk.read(hb.disk_rec, { { aside.data(), aside.size() }, { summary.data(), summary.size()*sizeof(float) } }, err)) {
+        return false;
+    }
+    disk.give(hb.disk_rec);
+    if (!make_host_room(1, kept)) {
+        // the block goes back where it was (its record is the one just freed)
+        std::string werr;
+        GGML_ASSERT(disk.take(hb.disk_rec));
+        if (!disk.write(hb.disk_rec, { { aside.data(), aside.size() }, { summary.data(), summary.size()*sizeof(float) } }, werr)) {
+            GGML_ABORT("kvmem: a block could be neither kept in the pool nor written back to disk: %s", werr.c_str());
+        }
+        err = spill_error;
+        return false;
+    }
+    uint32_t slot = 0;
+    GGML_ASSERT(pool.take(slot));
+    std::memcpy(pool.slot_ptr(slot), aside.data(), aside.size());
+    hb.on_disk = false;
+    hb.slot = slot;
+    if (hb.summarized) {
+        summaries->put(slot, summary.data());
+    }
     return true;
 }
 
 void llama_kvmem_cache::read_spilled(const kvmem_block & hb, std::vector<uint8_t> & bytes, std::vector<float> & summary) const {
     GGML_ASSERT(hb.on_disk);
-    bytes.resize(pool.block_bytes());
+    const size_t block_bytes = pool.block_bytes();
+    bytes.resize(hb.n_slots()*block_bytes);
     summary.assign(hb.summarized ? scorer->summary_size() : 0, 0.0f);
     std::string err;
-    if (!disk.read(hb.disk_rec, { { bytes.data(), bytes.size() }, { summary.data(), summary.size()*sizeof(float) } }, err)) {
-        throw std::runtime_error(format("reading a block from the disk tier under %s failed: %s", disk.path().c_str(),
-                    err.c_str()));
+    for (uint32_t j = 0; j < hb.n_slots(); ++j) {
+        std::vector<kvmem_disk_tier::part_in> parts = { { bytes.data() + j*block_bytes, block_bytes } };
+        if (j == 0) {
+            parts.push_back({ summary.data(), summary.size()*sizeof(float) });
+        }
+        if (!disk.read(kvmem_disk_rec(hb, j), parts, err)) {
+            throw std::runtime_error(format("reading a block from the disk tier under %s failed: %s", disk.path().c_str(),
+                        err.c_str()));
+        }
     }
 }

@@ -355,17 +355,21 @@ private:
     // `need` free pool slots: blocks of sequences outside `keep` go to disk (released, then idle, then the others,
     // least recently used first; within one, blocks out of the working set first); false when they do not suffice
     bool make_host_room(uint32_t need, const std::set<llama_seq_id> & keep);
-    // blocks in the pool of sequences outside keep (what make_host_room can move)
+    // pool slots of sequences outside keep (what make_host_room can move)
     uint32_t n_spillable(const std::set<llama_seq_id> & keep) const;
     bool spill(kvmem_block & hb, std::string & err);
     std::string spill_error;                 // why the last make_host_room stopped short ("" if it did not)
     std::set<llama_seq_id> batch_seqs;       // the sequences of the batch being decoded (host_room_for)
-    uint32_t n_spilled = 0; // blocks moved to disk since the last settle_disk
+    uint32_t n_spilled = 0; // disk records written since the last settle_disk (a slot each)
     // the blocks moved to disk on the disk, out of the page cache, and said in the log
     void settle_disk(const char * why);
     // every block of seq_id on disk back into the pool (others' leave for them); false with the error set when some stay
     bool bring_home(llama_seq_id seq_id, const std::set<llama_seq_id> & keep);
-    uint32_t n_on_disk(const kvmem_seq & st) const;
+    // a block's records into free pool slots (one per slot), its summary into the store; false with the reason
+    bool read_home(kvmem_block & hb, std::string & err);
+    // a one-slot block into a full pool over a full tier: read aside, another block takes its record
+    bool trade_places(kvmem_block & hb, const std::set<llama_seq_id> & kept, std::string & err);
+    uint32_t n_on_disk(const kvmem_seq & st) const; // in slots, as the pool counts them
     // the bytes and the summary of a block on disk (state saves read them there)
     void read_spilled(const kvmem_block & hb, std::vector<uint8_t> & bytes, std::vector<float> & summary) const;
 
