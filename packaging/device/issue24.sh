@@ -8,7 +8,11 @@
 #   here:      bash packaging/device/issue24.sh stage     (wheels, the source pack (UPSTREAM=1: the bare pin's too), the
 #                                                         qwen35 vocabulary)
 # CELLS overrides the bench cells (CONTEXT:CONFIG, see bench-cells.sh); REPEATS (3) turns per cell on one prefill.
+# FA_QUANTS: the build's flash-attention K/V pairs: `default` (upstream's set, the fastest build) unless a cell keeps
+# q5_0 on the GPU (`-q5-same`, `upstream-q5`): then `engine`, with the q5_0 kernels (without them attention over a
+# q5_0 working set would run on the CPU).
 set -uo pipefail
+case " ${CELLS:-} " in *q5-same*|*upstream-q5*) FA_QUANTS=${FA_QUANTS:-engine} ;; esac
 CELLS=${CELLS:-"261400:tiering-on 32768:tiering-on 4096:tiering-on 4096:tiering-off 261400:tiering-off \
 261400:tiering-on-q5 32768:tiering-off 131072:tiering-on 131072:tiering-off 4096:tiering-on-recency 261400:tiering-on-q5-same"}
 . "$(dirname "$0")/job.sh"
@@ -32,7 +36,7 @@ run)
   env -u PYTHONPATH python3 packaging/device/h2d_probe.py 2>&1 | tee -a "$OUT/host.txt"
   for flavour in "" ${UPSTREAM:+--upstream}; do
     start=$(date +%s)
-    kvmem build --sm 90 -j "$(nproc)" --fa-quants default --no-ui $flavour 2>&1 | tail -3
+    kvmem build --sm 90 -j "$(nproc)" --fa-quants "${FA_QUANTS:-default}" --no-ui $flavour 2>&1 | tail -3
     echo "build ${flavour:-ours}: $(( $(date +%s) - start )) s" | tee -a "$OUT/host.txt"
   done
   kvmem engines --json > "$OUT/engines.json"
