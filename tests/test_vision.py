@@ -25,8 +25,6 @@ from kvmem_llama.models.gguf_info import model_info
 from kvmem_llama.synth_vision import PRESETS, synthesize_mmproj
 
 REPO = "test-org/Tiny-VL-GGUF"
-# the disk-tier test: a host pool of 16 tiny-qwen35 blocks (128 KiB each); slot 1's 15 push out slot 0's image
-HOST_MIB, DISK_ESSAY = "2", 130
 
 
 @pytest.fixture(scope="module")
@@ -284,34 +282,43 @@ def test_an_image_evicted_by_another_slot_comes_back_whole_and_the_answer_is_tie
     assert_near(resumed, reference)
 
 
+# a host pool of 16 tiny-qwen35 blocks (128 KiB each); slot 0 holds an image's block of two slots. Roomy: slot 1's
+# 14 blocks push out a few of slot 0's, the image's among them, into a tier as large as the pool. Full: slot 0's 9
+# blocks and slot 1's 15 send exactly 8 of slot 0's to a tier of 8, so that slot 0 comes back through a full pool
+# over a full tier (its blocks trade places with slot 1's one-slot blocks, the image's two records with two of them)
 @pytest.mark.engine
-def test_an_idle_slots_image_goes_to_the_disk_tier_and_comes_back_whole(llama_server, qwen35, mmproj,
-                                                                      tmp_path) -> None:
+@pytest.mark.parametrize(("essay_after", "essay_slot1", "disk_mib"), [(12, 130, None), (70, 140, "1")],
+                         ids=["roomy-tier", "full-tier"])
+def test_an_idle_slots_image_goes_to_the_disk_tier_and_comes_back_whole(llama_server, qwen35, mmproj, tmp_path,
+                                                                      essay_after, essay_slot1, disk_mib) -> None:
     """With a host pool too small for both slots, slot 1's long prompt sends idle slot 0's blocks to the disk
     tier, its image's block too (a record for each of its slots). Slot 0 asks again: its blocks come back into the
     pool (slot 1's leave for them), the image's whole, and the answer is tiering off's."""
-    content = image_prompt(essay(10), png(96, 64, seed=5), "What is in the picture? " + essay(12))
+    content = image_prompt(essay(10), png(96, 64, seed=5), "What is in the picture? " + essay(essay_after))
     with llama_server(qwen35["plain"], ["--mmproj", str(mmproj), "-c", "4096", "-np", "1",
                                         "--kvmem-budget", "0"]) as srv:
         reference = ask_slot(client(srv.url), 0, content)
     disk = tmp_path / "disk"
     disk.mkdir()
+    sized = ["--kvmem-disk-mib", disk_mib] if disk_mib else []
     with llama_server(qwen35["plain"], ["--mmproj", str(mmproj), "-c", "8192", "-np", "2", "--kv-unified",
-                                        "--kvmem-budget", "1024", "--kvmem-trace", "--kvmem-host-mib", HOST_MIB,
-                                        "--kvmem-disk-path", str(disk)]) as srv:
+                                        "--kvmem-budget", "1024", "--kvmem-trace", "--kvmem-host-mib", "2",
+                                        "--kvmem-disk-path", str(disk), *sized]) as srv:
         cli = client(srv.url)
         ask_slot(cli, 0, content)
-        ask_slot(cli, 1, essay(DISK_ESSAY))
+        ask_slot(cli, 1, essay(essay_slot1))
         away = kvmem_slots(srv.url)
         again = ask_slot(cli, 0, content)
         back = kvmem_slots(srv.url)
         log = srv.log()
-    assert "GGML_ASSERT" not in log
+    assert "GGML_ASSERT" not in log and "purging slot" not in log
     images = re.findall(r"kvmem_trace: image seq=0 block=(\d+) cells=\d+ slots=(\d+)", log)
     assert len(images) == 1 and int(images[0][1]) >= 2, images
     spilled = re.findall(r"kvmem_trace: spill seq=0 block=(\d+) slots=(\d+)", log)
     assert images[0] in spilled, (images, spilled)
     assert away[0]["blocks_disk"] >= int(images[0][1]) and away[1]["blocks_disk"] == 0, away
+    if disk_mib:
+        assert away[0]["blocks_disk"] == 8, away  # the tier was full when slot 0 came back
     assert "back from the disk tier" in log and back[0]["blocks_disk"] == 0 and back[1]["blocks_disk"] > 0, back
     turns = [e for e in kvmem_log.selects(log.splitlines()) if e["seq"] == 0 and e["reason"] == "turn"]
     assert turns[-1]["image_blocks"] == 1 and turns[-1]["image_resident"] == 1, turns

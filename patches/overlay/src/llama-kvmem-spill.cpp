@@ -70,8 +70,7 @@ bool llama_kvmem_cache::spill(kvmem_block & hb, std::string & err) {
     GGML_ASSERT(kvmem_may_spill(hb));
     const uint32_t k = hb.n_slots();
     if (disk.n_free() < k) {
-        err = format("the disk tier is full (%u blocks, %.1f MiB under %s)", disk.capacity(),
-                disk.capacity()*disk.record_bytes()/1024.0/1024.0, disk.path().c_str());
+        err = disk_full_message();
         return false;
     }
     std::vector<uint32_t> recs(k);
@@ -106,14 +105,19 @@ bool llama_kvmem_cache::spill(kvmem_block & hb, std::string & err) {
     return true;
 }
 
-uint32_t llama_kvmem_cache::n_spillable(const std::set<llama_seq_id> & keep) const {
+std::string llama_kvmem_cache::disk_full_message() const {
+    return format("the disk tier is full (%u blocks, %.1f MiB under %s)", disk.capacity(),
+            disk.capacity()*disk.record_bytes()/1024.0/1024.0, disk.path().c_str());
+}
+
+uint32_t llama_kvmem_cache::n_spillable(const std::set<llama_seq_id> & keep, uint32_t max_slots) const {
     if (!disk.enabled()) {
         return 0;
     }
     uint32_t n = 0;
     for (const auto & [s, st] : seqs) {
         for (const auto & [b, hb] : st.blocks) {
-            n += !keep.count(s) && kvmem_may_spill(hb) ? hb.n_slots() : 0;
+            n += !keep.count(s) && kvmem_may_spill(hb) && hb.n_slots() <= max_slots ? hb.n_slots() : 0;
         }
     }
     return n;
@@ -147,7 +151,13 @@ bool llama_kvmem_cache::make_host_room(uint32_t need, const std::set<llama_seq_i
         }
         for (const int32_t b : blocks) {
             kvmem_block & hb = st.blocks.at(b);
-            if (pool.n_free() >= need || !spill(hb, spill_error)) {
+            if (pool.n_free() >= need) {
+                break;
+            }
+            if (hb.n_slots() > disk.n_free()) {
+                continue; // an image's block needs more records than are left: smaller blocks may still go
+            }
+            if (!spill(hb, spill_error)) {
                 break;
             }
             n_spilled += hb.n_slots();
@@ -160,7 +170,7 @@ bool llama_kvmem_cache::make_host_room(uint32_t need, const std::set<llama_seq_i
         }
     }
     if (pool.n_free() < need && spill_error.empty()) {
-        spill_error = "no other sequence's blocks can leave the host pool";
+        spill_error = disk.n_free() == 0 ? disk_full_message() : "no other sequence's blocks can leave the host pool";
     }
     return pool.n_free() >= need;
 }
@@ -240,13 +250,10 @@ bool llama_kvmem_cache::bring_home(llama_seq_id seq_id, const std::set<llama_seq
             err = "no other sequence's blocks can leave the host pool for them";
             break;
         }
-        if (pool.n_free() >= k || (disk.n_free() > 0 && make_host_room(k, kept))) {
+        if (pool.n_free() >= k || make_host_room(k, kept)) {
             if (!read_home(hb, err)) {
                 break;
             }
-        } else if (disk.n_free() > 0 || k > 1) {
-            err = spill_error.empty() ? "the disk tier has no room for the blocks that would make room for them" : spill_error;
-            break;
         } else if (!trade_places(hb, kept, err)) {
             break;
         }
@@ -268,31 +275,56 @@ bool llama_kvmem_cache::bring_home(llama_seq_id seq_id, const std::set<llama_seq
 }
 
 bool llama_kvmem_cache::trade_places(kvmem_block & hb, const std::set<llama_seq_id> & kept, std::string & err) {
-    // the pool and the tier are both full: this one-slot block is read aside, and another takes its record
-    GGML_ASSERT(hb.on_disk && hb.n_slots() == 1);
-    std::vector<uint8_t> aside(pool.block_bytes());
-    std::vector<float> summary(hb.summarized ? scorer->summary_size() : 0);
-    if (!disk.read(hb.disk_rec, { { aside.data(), aside.size() }, { summary.data(), summary.size()*sizeof(float) } }, err)) {
+    // the disk tier has too few records for the blocks that would make room: this block is read aside and its
+    // records go to one-slot blocks of other sequences. Enough of them must exist, so that the trade cannot stop
+    // half-way with the block's records taken
+    const uint32_t k = hb.n_slots();
+    GGML_ASSERT(hb.on_disk && pool.n_free() < k);
+    if (pool.n_free() + n_spillable(kept, 1) < k) {
+        err = spill_error.empty() ? disk_full_message() : spill_error;
         return false;
     }
-    disk.give(hb.disk_rec);
-    if (!make_host_room(1, kept)) {
-        // the block goes back where it was (its record is the one just freed)
-        std::string werr;
-        GGML_ASSERT(disk.take(hb.disk_rec));
-        if (!disk.write(hb.disk_rec, { { aside.data(), aside.size() }, { summary.data(), summary.size()*sizeof(float) } }, werr)) {
-            GGML_ABORT("kvmem: a block could be neither kept in the pool nor written back to disk: %s", werr.c_str());
-        }
+    const size_t block_bytes = pool.block_bytes();
+    std::vector<uint8_t> aside;
+    std::vector<float> summary;
+    read_spilled(hb, aside, summary);
+    for (uint32_t j = 0; j < k; ++j) {
+        disk.give(kvmem_disk_rec(hb, j));
+    }
+    if (!make_host_room(k, kept)) {
+        // only a failed write stops it: the block goes back to disk if the records it had are still free
         err = spill_error;
+        std::string werr;
+        const bool back = disk.n_free() >= k && [&] {
+            for (uint32_t j = 0; j < k; ++j) {
+                GGML_ASSERT(disk.take(j == 0 ? hb.disk_rec : hb.more_recs[j - 1]));
+            }
+            for (uint32_t j = 0; j < k && werr.empty(); ++j) {
+                std::vector<kvmem_disk_tier::part_out> parts = { { aside.data() + j*block_bytes, block_bytes } };
+                if (j == 0) {
+                    parts.push_back({ summary.data(), summary.size()*sizeof(float) });
+                }
+                disk.write(kvmem_disk_rec(hb, j), parts, werr);
+            }
+            return werr.empty();
+        }();
+        if (!back) {
+            GGML_ABORT("kvmem: a block could be neither kept in the pool nor written back to disk: %s",
+                    werr.empty() ? err.c_str() : werr.c_str());
+        }
         return false;
     }
-    uint32_t slot = 0;
-    GGML_ASSERT(pool.take(slot));
-    std::memcpy(pool.slot_ptr(slot), aside.data(), aside.size());
+    std::vector<uint32_t> slots(k);
+    for (uint32_t j = 0; j < k; ++j) {
+        GGML_ASSERT(pool.take(slots[j]));
+        std::memcpy(pool.slot_ptr(slots[j]), aside.data() + j*block_bytes, block_bytes);
+    }
     hb.on_disk = false;
-    hb.slot = slot;
+    hb.more_recs.clear();
+    hb.slot = slots[0];
+    hb.more_slots.assign(slots.begin() + 1, slots.end());
     if (hb.summarized) {
-        summaries->put(slot, summary.data());
+        summaries->put(hb.slot, summary.data());
     }
     return true;
 }

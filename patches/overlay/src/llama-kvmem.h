@@ -355,8 +355,9 @@ private:
     // `need` free pool slots: blocks of sequences outside `keep` go to disk (released, then idle, then the others,
     // least recently used first; within one, blocks out of the working set first); false when they do not suffice
     bool make_host_room(uint32_t need, const std::set<llama_seq_id> & keep);
-    // pool slots of sequences outside keep (what make_host_room can move)
-    uint32_t n_spillable(const std::set<llama_seq_id> & keep) const;
+    // pool slots of sequences outside keep (what make_host_room can move), of blocks of at most max_slots slots
+    uint32_t n_spillable(const std::set<llama_seq_id> & keep, uint32_t max_slots = UINT32_MAX) const;
+    std::string disk_full_message() const;
     bool spill(kvmem_block & hb, std::string & err);
     std::string spill_error;                 // why the last make_host_room stopped short ("" if it did not)
     std::set<llama_seq_id> batch_seqs;       // the sequences of the batch being decoded (host_room_for)
@@ -367,7 +368,8 @@ private:
     bool bring_home(llama_seq_id seq_id, const std::set<llama_seq_id> & keep);
     // a block's records into free pool slots (one per slot), its summary into the store; false with the reason
     bool read_home(kvmem_block & hb, std::string & err);
-    // a one-slot block into a full pool over a full tier: read aside, another block takes its record
+    // a block into a full pool when the tier lacks records to make room: read aside, one-slot blocks of other
+    // sequences take its records
     bool trade_places(kvmem_block & hb, const std::set<llama_seq_id> & kept, std::string & err);
     uint32_t n_on_disk(const kvmem_seq & st) const; // in slots, as the pool counts them
     // the bytes and the summary of a block on disk (state saves read them there)
