@@ -190,6 +190,16 @@ void llama_kvmem_cache::settle_disk(const char * why) {
     n_spilled = 0;
 }
 
+void llama_kvmem_cache::place_home(kvmem_block & hb, const std::vector<uint32_t> & slots, const std::vector<float> & summary) {
+    hb.on_disk = false;
+    hb.more_recs.clear();
+    hb.slot = slots[0];
+    hb.more_slots.assign(slots.begin() + 1, slots.end());
+    if (hb.summarized) {
+        summaries->put(hb.slot, summary.data());
+    }
+}
+
 bool llama_kvmem_cache::read_home(kvmem_block & hb, std::string & err) {
     const uint32_t k = hb.n_slots();
     GGML_ASSERT(hb.on_disk && pool.n_free() >= k);
@@ -213,13 +223,7 @@ bool llama_kvmem_cache::read_home(kvmem_block & hb, std::string & err) {
     for (uint32_t j = 0; j < k; ++j) {
         disk.give(kvmem_disk_rec(hb, j));
     }
-    hb.on_disk = false;
-    hb.more_recs.clear();
-    hb.slot = slots[0];
-    hb.more_slots.assign(slots.begin() + 1, slots.end());
-    if (hb.summarized) {
-        summaries->put(hb.slot, summary.data());
-    }
+    place_home(hb, slots, summary);
     return true;
 }
 
@@ -319,13 +323,7 @@ bool llama_kvmem_cache::trade_places(kvmem_block & hb, const std::set<llama_seq_
         GGML_ASSERT(pool.take(slots[j]));
         std::memcpy(pool.slot_ptr(slots[j]), aside.data() + j*block_bytes, block_bytes);
     }
-    hb.on_disk = false;
-    hb.more_recs.clear();
-    hb.slot = slots[0];
-    hb.more_slots.assign(slots.begin() + 1, slots.end());
-    if (hb.summarized) {
-        summaries->put(hb.slot, summary.data());
-    }
+    place_home(hb, slots, summary);
     return true;
 }
 

@@ -366,6 +366,8 @@ private:
     void settle_disk(const char * why);
     // every block of seq_id on disk back into the pool (others' leave for them); false with the error set when some stay
     bool bring_home(llama_seq_id seq_id, const std::set<llama_seq_id> & keep);
+    // a block read back into these pool slots (its records already given), its summary in the store
+    void place_home(kvmem_block & hb, const std::vector<uint32_t> & slots, const std::vector<float> & summary);
     // a block's records into free pool slots (one per slot), its summary into the store; false with the reason
     bool read_home(kvmem_block & hb, std::string & err);
     // a block into a full pool when the tier lacks records to make room: read aside, one-slot blocks of other
