@@ -18,9 +18,11 @@ static bool kvmem_may_spill(const kvmem_block & hb) {
     return !hb.on_disk;
 }
 
-// the disk record of slot j of a block on disk
-static uint32_t kvmem_disk_rec(const kvmem_block & hb, uint32_t j) {
-    return j == 0 ? hb.disk_rec : hb.more_recs.at(j - 1);
+// the disk records of a block on disk, one per slot
+static std::vector<uint32_t> kvmem_records(const kvmem_block & hb) {
+    std::vector<uint32_t> recs = { hb.disk_rec };
+    recs.insert(recs.end(), hb.more_recs.begin(), hb.more_recs.end());
+    return recs;
 }
 
 void llama_kvmem_cache::init_disk() {
@@ -41,8 +43,8 @@ uint8_t * llama_kvmem_cache::pool_bytes(const kvmem_block & hb) const {
 
 void llama_kvmem_cache::release_storage(kvmem_block & hb) {
     if (hb.on_disk) {
-        for (uint32_t j = 0; j < hb.n_slots(); ++j) {
-            disk.give(kvmem_disk_rec(hb, j));
+        for (const uint32_t rec : kvmem_records(hb)) {
+            disk.give(rec);
         }
         hb.more_recs.clear();
         hb.on_disk = false;
@@ -77,22 +79,17 @@ bool llama_kvmem_cache::spill(kvmem_block & hb, std::string & err) {
     for (uint32_t & rec : recs) {
         GGML_ASSERT(disk.take(rec));
     }
-    // a summary in the store lives in the block's first slot, which the next block takes: it goes along, in the
-    // first record
+    // a summary in the store lives in the block's first slot, which the next block takes: it goes along
     const std::vector<float> summary = hb.summarized ? summaries->get(hb.slot) : std::vector<float>();
-    for (uint32_t j = 0; j < k; ++j) {
-        const uint32_t slot = j == 0 ? hb.slot : hb.more_slots[j - 1];
-        std::vector<kvmem_disk_tier::part_out> parts = { { pool.slot_ptr(slot), pool.block_bytes() } };
-        if (j == 0) {
-            parts.push_back({ summary.data(), summary.size()*sizeof(float) });
+    std::vector<const uint8_t *> src = { pool.slot_ptr(hb.slot) };
+    for (const uint32_t slot : hb.more_slots) {
+        src.push_back(pool.slot_ptr(slot));
+    }
+    if (!write_records(recs, src, summary, err)) {
+        for (const uint32_t rec : recs) {
+            disk.give(rec);
         }
-        if (!disk.write(recs[j], parts, err)) {
-            for (const uint32_t rec : recs) {
-                disk.give(rec);
-            }
-            err = format("writing a block to the disk tier under %s failed: %s", disk.path().c_str(), err.c_str());
-            return false;
-        }
+        return false;
     }
     pool.give(hb.slot);
     for (const uint32_t slot : hb.more_slots) {
@@ -190,6 +187,39 @@ void llama_kvmem_cache::settle_disk(const char * why) {
     n_spilled = 0;
 }
 
+bool llama_kvmem_cache::write_records(const std::vector<uint32_t> & recs, const std::vector<const uint8_t *> & src,
+        const std::vector<float> & summary, std::string & err) {
+    GGML_ASSERT(recs.size() == src.size());
+    for (size_t j = 0; j < recs.size(); ++j) {
+        std::vector<kvmem_disk_tier::part_out> parts = { { src[j], pool.block_bytes() } };
+        if (j == 0) {
+            parts.push_back({ summary.data(), summary.size()*sizeof(float) });
+        }
+        if (!disk.write(recs[j], parts, err)) {
+            err = format("writing a block to the disk tier under %s failed: %s", disk.path().c_str(), err.c_str());
+            return false;
+        }
+    }
+    return true;
+}
+
+bool llama_kvmem_cache::read_records(const kvmem_block & hb, const std::vector<uint8_t *> & dst,
+        std::vector<float> & summary, std::string & err) const {
+    const std::vector<uint32_t> recs = kvmem_records(hb);
+    GGML_ASSERT(hb.on_disk && recs.size() == dst.size());
+    summary.assign(hb.summarized ? scorer->summary_size() : 0, 0.0f);
+    for (size_t j = 0; j < recs.size(); ++j) {
+        std::vector<kvmem_disk_tier::part_in> parts = { { dst[j], pool.block_bytes() } };
+        if (j == 0) {
+            parts.push_back({ summary.data(), summary.size()*sizeof(float) });
+        }
+        if (!disk.read(recs[j], parts, err)) {
+            return false;
+        }
+    }
+    return true;
+}
+
 void llama_kvmem_cache::place_home(kvmem_block & hb, const std::vector<uint32_t> & slots, const std::vector<float> & summary) {
     hb.on_disk = false;
     hb.more_recs.clear();
@@ -204,24 +234,20 @@ bool llama_kvmem_cache::read_home(kvmem_block & hb, std::string & err) {
     const uint32_t k = hb.n_slots();
     GGML_ASSERT(hb.on_disk && pool.n_free() >= k);
     std::vector<uint32_t> slots(k);
-    for (uint32_t & slot : slots) {
-        GGML_ASSERT(pool.take(slot));
-    }
-    std::vector<float> summary(hb.summarized ? scorer->summary_size() : 0);
+    std::vector<uint8_t *> dst(k);
     for (uint32_t j = 0; j < k; ++j) {
-        std::vector<kvmem_disk_tier::part_in> parts = { { pool.slot_ptr(slots[j]), pool.block_bytes() } };
-        if (j == 0) {
-            parts.push_back({ summary.data(), summary.size()*sizeof(float) });
-        }
-        if (!disk.read(kvmem_disk_rec(hb, j), parts, err)) {
-            for (const uint32_t slot : slots) {
-                pool.give(slot);
-            }
-            return false;
-        }
+        GGML_ASSERT(pool.take(slots[j]));
+        dst[j] = pool.slot_ptr(slots[j]);
     }
-    for (uint32_t j = 0; j < k; ++j) {
-        disk.give(kvmem_disk_rec(hb, j));
+    std::vector<float> summary;
+    if (!read_records(hb, dst, summary, err)) {
+        for (const uint32_t slot : slots) {
+            pool.give(slot);
+        }
+        return false;
+    }
+    for (const uint32_t rec : kvmem_records(hb)) {
+        disk.give(rec);
     }
     place_home(hb, slots, summary);
     return true;
@@ -250,7 +276,7 @@ bool llama_kvmem_cache::bring_home(llama_seq_id seq_id, const std::set<llama_seq
     for (const auto & [rec, b] : recs) {
         kvmem_block & hb = st->blocks.at(b);
         const uint32_t k = hb.n_slots();
-        if (pool.n_free() + n_spillable(kept) < k) {
+        if (pool.n_free() < k && pool.n_free() + n_spillable(kept) < k) {
             err = "no other sequence's blocks can leave the host pool for them";
             break;
         }
@@ -291,30 +317,32 @@ bool llama_kvmem_cache::trade_places(kvmem_block & hb, const std::set<llama_seq_
     const size_t block_bytes = pool.block_bytes();
     std::vector<uint8_t> aside;
     std::vector<float> summary;
-    read_spilled(hb, aside, summary);
-    for (uint32_t j = 0; j < k; ++j) {
-        disk.give(kvmem_disk_rec(hb, j));
+    if (!read_aside(hb, aside, summary, err)) {
+        return false;
+    }
+    const std::vector<uint32_t> recs = kvmem_records(hb);
+    for (const uint32_t rec : recs) {
+        disk.give(rec);
     }
     if (!make_host_room(k, kept)) {
-        // only a failed write stops it: the block goes back to disk if the records it had are still free
+        // only a failed write stops it: the block goes back to disk while k records are free
         err = spill_error;
-        std::string werr;
-        const bool back = disk.n_free() >= k && [&] {
+        std::string werr = "no records are left for it";
+        bool back = disk.n_free() >= k;
+        if (back) {
+            std::vector<uint32_t> again(k);
+            std::vector<const uint8_t *> src(k);
             for (uint32_t j = 0; j < k; ++j) {
-                GGML_ASSERT(disk.take(j == 0 ? hb.disk_rec : hb.more_recs[j - 1]));
+                GGML_ASSERT(disk.take(again[j]));
+                src[j] = aside.data() + j*block_bytes;
             }
-            for (uint32_t j = 0; j < k && werr.empty(); ++j) {
-                std::vector<kvmem_disk_tier::part_out> parts = { { aside.data() + j*block_bytes, block_bytes } };
-                if (j == 0) {
-                    parts.push_back({ summary.data(), summary.size()*sizeof(float) });
-                }
-                disk.write(kvmem_disk_rec(hb, j), parts, werr);
-            }
-            return werr.empty();
-        }();
+            hb.disk_rec = again[0];
+            hb.more_recs.assign(again.begin() + 1, again.end());
+            back = write_records(again, src, summary, werr);
+        }
         if (!back) {
-            GGML_ABORT("kvmem: a block could be neither kept in the pool nor written back to disk: %s",
-                    werr.empty() ? err.c_str() : werr.c_str());
+            GGML_ABORT("kvmem: a block could be neither kept in the pool nor written back to disk: %s (%s)",
+                    err.c_str(), werr.c_str());
         }
         return false;
     }
@@ -327,20 +355,21 @@ bool llama_kvmem_cache::trade_places(kvmem_block & hb, const std::set<llama_seq_
     return true;
 }
 
-void llama_kvmem_cache::read_spilled(const kvmem_block & hb, std::vector<uint8_t> & bytes, std::vector<float> & summary) const {
-    GGML_ASSERT(hb.on_disk);
+bool llama_kvmem_cache::read_aside(const kvmem_block & hb, std::vector<uint8_t> & bytes, std::vector<float> & summary,
+        std::string & err) const {
     const size_t block_bytes = pool.block_bytes();
     bytes.resize(hb.n_slots()*block_bytes);
-    summary.assign(hb.summarized ? scorer->summary_size() : 0, 0.0f);
-    std::string err;
+    std::vector<uint8_t *> dst(hb.n_slots());
     for (uint32_t j = 0; j < hb.n_slots(); ++j) {
-        std::vector<kvmem_disk_tier::part_in> parts = { { bytes.data() + j*block_bytes, block_bytes } };
-        if (j == 0) {
-            parts.push_back({ summary.data(), summary.size()*sizeof(float) });
-        }
-        if (!disk.read(kvmem_disk_rec(hb, j), parts, err)) {
-            throw std::runtime_error(format("reading a block from the disk tier under %s failed: %s", disk.path().c_str(),
-                        err.c_str()));
-        }
+        dst[j] = bytes.data() + j*block_bytes;
+    }
+    return read_records(hb, dst, summary, err);
+}
+
+void llama_kvmem_cache::read_spilled(const kvmem_block & hb, std::vector<uint8_t> & bytes, std::vector<float> & summary) const {
+    std::string err;
+    if (!read_aside(hb, bytes, summary, err)) {
+        throw std::runtime_error(format("reading a block from the disk tier under %s failed: %s", disk.path().c_str(),
+                    err.c_str()));
     }
 }

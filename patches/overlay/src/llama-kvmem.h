@@ -366,6 +366,11 @@ private:
     void settle_disk(const char * why);
     // every block of seq_id on disk back into the pool (others' leave for them); false with the error set when some stay
     bool bring_home(llama_seq_id seq_id, const std::set<llama_seq_id> & keep);
+    // a block's slots, src[j] / dst[j], to or from its records recs[j] (the summary with the first); false with the reason
+    bool write_records(const std::vector<uint32_t> & recs, const std::vector<const uint8_t *> & src,
+            const std::vector<float> & summary, std::string & err);
+    bool read_records(const kvmem_block & hb, const std::vector<uint8_t *> & dst, std::vector<float> & summary,
+            std::string & err) const;
     // a block read back into these pool slots (its records already given), its summary in the store
     void place_home(kvmem_block & hb, const std::vector<uint32_t> & slots, const std::vector<float> & summary);
     // a block's records into free pool slots (one per slot), its summary into the store; false with the reason
@@ -376,6 +381,8 @@ private:
     uint32_t n_on_disk(const kvmem_seq & st) const; // in slots, as the pool counts them
     // the bytes and the summary of a block on disk (state saves read them there)
     void read_spilled(const kvmem_block & hb, std::vector<uint8_t> & bytes, std::vector<float> & summary) const;
+    // the same, false with the reason instead of throwing
+    bool read_aside(const kvmem_block & hb, std::vector<uint8_t> & bytes, std::vector<float> & summary, std::string & err) const;
 
     // stats (llama-kvmem-api.cpp): totals written by the decode thread, published under the lock
     struct counters {
