@@ -124,7 +124,7 @@ bool kvmem_disk_tier::read(uint32_t rec, const std::vector<part_in> & parts, std
     GGML_ASSERT(rec < n_recs && in_use[rec]);
     size_t at = offset(rec);
     for (const auto & [data, size] : parts) {
-        size_t done = 0;
+        size_t done = data ? 0 : size;
         while (done < size) {
             const ssize_t n = pread(fd, (char *) data + done, size - done, (off_t) (at + done));
             if (n < 0 && errno == EINTR) {

@@ -32,7 +32,8 @@ public:
     bool take(uint32_t & rec); // the lowest free record; false when the tier is full
     void give(uint32_t rec);
 
-    // one record's parts, one after the other; false with the reason in err (e.g. "No space left on device")
+    // one record's parts, one after the other; false with the reason in err (e.g. "No space left on device").
+    // A part read into nullptr is skipped (a block's summary read without its bytes)
     using part_out = std::pair<const void *, size_t>;
     using part_in  = std::pair<void *, size_t>;
     bool write(uint32_t rec, const std::vector<part_out> & parts, std::string & err);

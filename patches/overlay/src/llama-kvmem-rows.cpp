@@ -294,9 +294,16 @@ std::vector<float> llama_kvmem_cache::block_summary(const kvmem_seq & st, int32_
     }
     const auto hb = st.blocks.find(b);
     if (summaries && hb != st.blocks.end() && hb->second.summarized && hb->second.on_disk) {
-        std::vector<uint8_t> bytes;
+        // the summary alone, from the block's first record
+        std::vector<uint8_t *> skip(hb->second.n_slots(), nullptr);
         std::vector<float> summary;
-        read_spilled(hb->second, bytes, summary);
+        std::string err;
+        if (!read_records(hb->second, skip, summary, err)) {
+            // the block is then ranked without a summary; reading its bytes back says what failed
+            LLAMA_LOG_WARN("%s: kvmem: reading block %d's summary from the disk tier under %s failed: %s\n", __func__,
+                    b, disk.path().c_str(), err.c_str());
+            return {};
+        }
         return summary;
     }
     if (summaries && hb != st.blocks.end() && hb->second.summarized) {

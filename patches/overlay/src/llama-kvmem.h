@@ -366,7 +366,8 @@ private:
     void settle_disk(const char * why);
     // every block of seq_id on disk back into the pool (others' leave for them); false with the error set when some stay
     bool bring_home(llama_seq_id seq_id, const std::set<llama_seq_id> & keep);
-    // a block's slots, src[j] / dst[j], to or from its records recs[j] (the summary with the first); false with the reason
+    // a block's slots, src[j] / dst[j], to or from its records recs[j] (the summary with the first; a null dst[j] is
+    // not read); false with the reason
     bool write_records(const std::vector<uint32_t> & recs, const std::vector<const uint8_t *> & src,
             const std::vector<float> & summary, std::string & err);
     bool read_records(const kvmem_block & hb, const std::vector<uint8_t *> & dst, std::vector<float> & summary,

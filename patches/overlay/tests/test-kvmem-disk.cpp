@@ -67,6 +67,9 @@ KV_SUITE(disk) {
         std::vector<float> summary_back(summary.size());
         KV_CHECK(disk.read(b, { { block_back.data(), block_back.size() }, { summary_back.data(), summary_back.size()*sizeof(float) } }, err));
         KV_CHECK(block_back == block && summary_back == summary);
+        std::vector<float> summary_only(summary.size());
+        KV_CHECK(disk.read(b, { { nullptr, block.size() }, { summary_only.data(), summary_only.size()*sizeof(float) } }, err));
+        KV_CHECK(summary_only == summary); // the block's bytes skipped
         std::vector<float> first(10);
         KV_CHECK(disk.read(a, { { first.data(), 40 } }, err) && first[9] == summary[9]);
 
