@@ -60,7 +60,7 @@ public:
             const leader_query & resident_in_leader = nullptr) const;
 
     // cells the sequence could give up for a batch of in_batch sequences (an image's block frees its cells, not
-    // its slots times B); under the share cap an estimate, B cells a slot
+    // its slots times B); under the share cap, those of the blocks victim() would take before it reaches its share
     uint32_t movable_cells(const kvmem_seqs & seqs, llama_seq_id s, bool in_batch, bool alone_in_batch) const;
 
     const kvmem_geometry g;

@@ -103,20 +103,31 @@ uint32_t kvmem_residency::movable_cells(const kvmem_seqs & seqs, llama_seq_id s,
     // sequence's own blocks when it is alone in the batch, otherwise only beyond its share
     const kvmem_seq & st = seqs.at(s);
     const bool idle = !in_batch && !st.active();
-    uint32_t resident = 0, movable = 0, cells = 0;
+    uint32_t resident = 0;
+    std::vector<std::pair<std::pair<bool, double>, const kvmem_block *>> movable; // in victim()'s order, see below
     for (const auto & [b, hb] : st.blocks) {
         if (hb.resident) {
             resident += hb.n_slots();
             if ((uint32_t) b >= g.sink_blocks && (idle || !protected_block(st, b))) {
-                movable += hb.n_slots();
-                cells   += hb.n_cells(g.block);
+                movable.push_back({ { hb.picked, hb.picked ? (double) hb.score : (double) b }, &hb });
             }
         }
     }
-    if (!idle && st.phase() == kvmem_phase::GEN && !(in_batch && alone_in_batch)) {
-        const uint32_t share = share_blocks(seqs, s);
-        movable = std::min(movable, resident > share ? resident - share : 0);
-        cells   = std::min(cells, movable*g.block);
+    const bool capped = !idle && st.phase() == kvmem_phase::GEN && !(in_batch && alone_in_batch);
+    if (capped) {
+        // victim() takes its ordinary blocks oldest first, then its picks lowest score first, each while it holds
+        // more than its share: an image's block of several slots may be the one that crosses it
+        std::stable_sort(movable.begin(), movable.end(),
+                [](const auto & a, const auto & b) { return a.first < b.first; });
+    }
+    const uint32_t share = capped ? share_blocks(seqs, s) : 0;
+    uint32_t cells = 0;
+    for (const auto & [order, hb] : movable) {
+        if (capped && resident <= share) {
+            break;
+        }
+        resident -= hb->n_slots();
+        cells    += hb->n_cells(g.block);
     }
     return cells;
 }

@@ -104,9 +104,21 @@ KV_SUITE(residency) {
     two[1] = make_seq(2, { 0, 1 });
     two[1].start_prompt(false, 0);
     KV_CHECK(rules.movable_cells(two, 0, true, false) == 5*16);
-    // an image's block of two slots (20 cells) frees its 20 cells; under the share cap a slot counts at most B
+    // an image's block of two slots (20 cells) frees its 20 cells
     two[0].blocks[2].more_slots = { 30 };
     two[0].blocks[2].pos.assign(20, 2*16);
     KV_CHECK(rules.movable_cells(two, 0, true, true) == 6*16 + 20);
-    KV_CHECK(rules.movable_cells(two, 0, true, false) == 6*16); // 11 slots resident, share 5: six slots may go
+    // under the share cap (11 slots resident, share 5) the blocks leave oldest first until the share is reached:
+    // 1, the image's 2, 3, 4, 5 (six slots, 84 cells, not six slots of B)
+    KV_CHECK(rules.movable_cells(two, 0, true, false) == 4*16 + 20);
+    // picks leave after the ordinary blocks, lowest score first
+    two[0].blocks[1].picked = two[0].blocks[3].picked = true;
+    two[0].blocks[1].score = 2.0f;
+    two[0].blocks[3].score = 1.0f;
+    two[0].blocks[2].more_slots.clear();
+    two[0].blocks[2].pos.clear();
+    two[0].blocks[7].more_slots = { 31, 32 };
+    two[0].blocks[7].pos.assign(40, 7*16);
+    // 12 slots, share 5: ordinary 2, 4, 5, 6, then the image's 7 (three slots, 40 cells) crosses the share
+    KV_CHECK(rules.movable_cells(two, 0, true, false) == 4*16 + 40);
 }
