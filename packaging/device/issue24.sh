@@ -34,11 +34,8 @@ run)
   { nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv; nproc; command -v ccache; } | tee "$OUT/host.txt"
   # the PCIe ceiling of the stage-ins (the image's PyTorch, before PYTHONPATH points at our site)
   env -u PYTHONPATH python3 packaging/device/h2d_probe.py 2>&1 | tee -a "$OUT/host.txt"
-  for flavour in "" ${UPSTREAM:+--upstream}; do
-    start=$(date +%s)
-    kvmem build --sm 90 -j "$(nproc)" --fa-quants "${FA_QUANTS:-default}" --no-ui $flavour 2>&1 | tail -3
-    echo "build ${flavour:-ours}: $(( $(date +%s) - start )) s" | tee -a "$OUT/host.txt"
-  done
+  job_build
+  [ -z "${UPSTREAM:-}" ] || job_build --upstream
   kvmem engines --json > "$OUT/engines.json"
   # the stager's and the scorer's graphs on CUDA against the host's results (test-kvmem, built in the CUDA tree);
   # SUITES=0 skips them and the two benchmarks

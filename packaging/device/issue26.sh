@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 26 on the GPU in one background job: build our sm_90 engine (default FA quants, no web UI), write the
+# Issue 26 on the GPU in one background job: build our sm_90 engine (FA_QUANTS, default: upstream's set; no web UI;
+# FA_QUANTS=engine after an issue24.sh run with q5_0 cells on the same warm machine reuses its build), write the
 # synthetic qwen35 27B model with its vision projector and a test image, then `kvmem bench --image` cells, most
-# wanted first: the image at the start of a CONTEXT-token conversation, decoded after at depth, tiering off and on.
+# wanted first: the image IMAGE_AT tokens into a CONTEXT-token conversation, decoded after at depth, tiering off and on.
 #   here:      bash packaging/device/issue24.sh stage      (the same wheels, source pack and vocabulary)
 #   call 1:    bash packaging/device/issue26.sh start      (carry: [".whl", ".kvmem"])
 #   calls 2..: bash packaging/device/issue26.sh wait 540   (as issue24.sh)

@@ -2,7 +2,9 @@
 #   job_start SCRIPT         copy the checkout to /tmp/repo and run `SCRIPT run` there in its own session
 #   job_wait SCRIPT S FILES  until a line lands in FILES (under /tmp/out), the job ends, or S seconds pass
 #   job_setup                in the job: $OUT, the carried wheels and kvmem installed, the source pack unpacked
-#   job_build                in the job: our sm_90 engine, timed
+#   job_build [--upstream]   in the job: our sm_90 engine (or the bare pin), timed; FA_QUANTS picks the flash-attention
+#                            K/V pairs (default: upstream's set, the fastest build). Scripts run one after another on
+#                            one warm machine share a build when they ask for the same pairs
 
 job_start() {
   rm -rf /tmp/repo /tmp/out && mkdir -p /tmp/out && cp -r . /tmp/repo
@@ -27,9 +29,9 @@ job_setup() {
   export PATH=/tmp/site/bin:$PATH
 }
 
-job_build() {  # our sm_90 engine (default FA quants, no web UI), its time in host.txt
+job_build() {  # our sm_90 engine (no web UI), its time in host.txt
   local start
   start=$(date +%s)
-  kvmem build --sm 90 -j "$(nproc)" --fa-quants default --no-ui 2>&1 | tail -3
-  echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/host.txt"
+  kvmem build --sm 90 -j "$(nproc)" --fa-quants "${FA_QUANTS:-default}" --no-ui "$@" 2>&1 | tail -3
+  echo "build ${1:-ours}: $(( $(date +%s) - start )) s" | tee -a "$OUT/host.txt"
 }
