@@ -161,9 +161,10 @@ def t_interval(x: list[float]) -> tuple[float, float]:
     a = np.asarray(x, dtype=float)
     if len(a) < 2:
         return float(a.mean()), float("nan")
-    t95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11,
-           2.10, 2.09, 2.09]
-    t = t95[len(a) - 2] if len(a) - 2 < len(t95) else 2.0
+    df, z = len(a) - 1, 1.959964
+    # small df from the table; beyond, the Cornish-Fisher expansion is within 0.003
+    t95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+    t = t95[df - 1] if df <= len(t95) else z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
     return float(a.mean()), t * float(a.std(ddof=1)) / math.sqrt(len(a))
 
 
@@ -197,6 +198,8 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=4000, help="prompt tokens (default 4000)")
     ap.add_argument("--budget", type=int, default=1024, help="--kvmem-budget of the tiered engine (default 1024)")
     ap.add_argument("--samples", type=int, default=3, help="haystacks (default 3); each at every depth")
+    ap.add_argument("--first-sample", type=int, default=0, help="index of the first haystack (default 0): more "
+                    "samples for an earlier run's rows.jsonl")
     ap.add_argument("--depths", default="15,35,55,75,95", help="needle depths in percent (default 15,35,55,75,95)")
     ap.add_argument("--out", type=Path, default=Path("fidelity-probe"), help="folder for rows.jsonl and the logs")
     ap.add_argument("--report", type=Path, help="print the table of an earlier rows.jsonl and exit")
@@ -213,7 +216,7 @@ def main() -> None:
             start_llama_server(engine.server, model, [*common, "--kvmem-budget", str(args.budget), "--kvmem-trace",
                                                       "-lv", "4"], args.out / "on.log") as on:
         count = EvalClient(off.url).count_tokens
-        for index in range(args.samples):
+        for index in range(args.first_sample, args.first_sample + args.samples):
             hint = None
             for depth in (int(d) for d in args.depths.split(",")):
                 s = fit_sample(TASK, args.length, depth, index, 0, count, hint=hint)
