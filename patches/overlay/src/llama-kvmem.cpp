@@ -59,6 +59,12 @@ bool kvmem_residency::protected_block(const kvmem_seq & st, int32_t b) const {
     return !st.blocks.empty() && b > st.blocks.rbegin()->first - (int32_t) g.recent_blocks;
 }
 
+// the order within a tier: a sequence's picks lowest score first (an idle one's by block too), its other blocks
+// oldest first (victim() and movable_cells() agree on it)
+static double kvmem_evict_key(const kvmem_block & hb, int32_t b, bool idle) {
+    return hb.picked && !idle ? (double) hb.score : (double) b;
+}
+
 std::optional<kvmem_victim> kvmem_residency::victim(const kvmem_seqs & seqs, llama_seq_id for_seq,
         const leader_query & resident_in_leader) const {
     std::optional<kvmem_victim> best;
@@ -89,7 +95,7 @@ std::optional<kvmem_victim> kvmem_residency::victim(const kvmem_seqs & seqs, lla
                 c.tier = hb.picked ? kvmem_evict_tier::OTHER_PICK_BEYOND_SHARE : kvmem_evict_tier::OTHER_BEYOND_SHARE;
             }
             c.leader_resident = resident_in_leader && resident_in_leader(s, b);
-            c.key = hb.picked && !idle ? (double) hb.score : (double) b;
+            c.key = kvmem_evict_key(hb, b, idle);
             if (!best || c.before(*best)) {
                 best = c;
             }
@@ -109,7 +115,7 @@ uint32_t kvmem_residency::movable_cells(const kvmem_seqs & seqs, llama_seq_id s,
         if (hb.resident) {
             resident += hb.n_slots();
             if ((uint32_t) b >= g.sink_blocks && (idle || !protected_block(st, b))) {
-                movable.push_back({ { hb.picked, hb.picked ? (double) hb.score : (double) b }, &hb });
+                movable.push_back({ { hb.picked, kvmem_evict_key(hb, b, idle) }, &hb });
             }
         }
     }
