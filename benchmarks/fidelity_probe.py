@@ -42,9 +42,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from numpy_llama import Llama  # noqa: E402
 
+from kvmem_llama import kvmem_log  # noqa: E402
 from kvmem_llama.default_model import default_model_path  # noqa: E402
 from kvmem_llama.engine import require_engine  # noqa: E402
 from kvmem_llama.evaluation.client import EvalClient  # noqa: E402
+from kvmem_llama.evaluation.stats import Z95  # noqa: E402
 from kvmem_llama.evaluation.tasks import fit_sample  # noqa: E402
 from kvmem_llama.serving.process import start_llama_server  # noqa: E402
 
@@ -67,14 +69,10 @@ def tokenize(url: str, text: str, special: bool = True) -> list[int]:
 
 def turn_resident_blocks(log: str) -> list[int]:
     """The blocks of the last `kvmem_trace: resident ... reason=turn` line."""
-    lines = [line for line in log.splitlines() if "kvmem_trace: resident" in line and "reason=turn" in line]
-    if not lines:
+    turns = [e for e in kvmem_log.residents(log) if e["reason"] == "turn"]
+    if not turns:
         raise SystemExit("the tiered server logged no turn selection: is the prompt longer than the budget?")
-    out: list[int] = []
-    for part in lines[-1].split("blocks=")[1].strip().split(","):
-        a, _, b = part.partition("-")
-        out += range(int(a), int(b or a) + 1)
-    return out
+    return sorted(turns[-1]["blocks"])
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -107,10 +105,10 @@ def score(lm: Llama, tokens: np.ndarray, n_prompt: int, v0: int, v1: int, Ks, Vs
             "value_greedy": bool((lp[rows].argmax(-1) == tokens[v0:v1]).all()), "kl": kl}, answer
 
 
-def probe_sample(lm: Llama, off, on, s, budget: int) -> dict:
+def probe_sample(lm: Llama, off, on, off_client: EvalClient, on_client: EvalClient, s, budget: int) -> dict:
     value = s.expected[0]
     key = re.search(r"What is the special magic number for (.+?) mentioned in the provided text\?", s.prompt).group(1)
-    prompt_text = EvalClient(off.url).apply_template([{"role": "user", "content": s.prompt}])
+    prompt_text = off_client.apply_template([{"role": "user", "content": s.prompt}])
     answer = f"The special magic number for {key} mentioned in the provided text is {value}."
     prompt = tokenize(off.url, prompt_text)
     tokens = np.array(tokenize(off.url, prompt_text + answer))
@@ -121,8 +119,8 @@ def probe_sample(lm: Llama, off, on, s, budget: int) -> dict:
     needle_block = len(tokenize(off.url, prompt_text[:prompt_text.index(value)])) // BLOCK
 
     before = len(on.log_text())
-    engine_on = EvalClient(on.url).chat(s.prompt, 24).text
-    engine_off = EvalClient(off.url).chat(s.prompt, 24).text
+    engine_on = on_client.chat(s.prompt, 24).text
+    engine_off = off_client.chat(s.prompt, 24).text
     t0 = len(prompt) - QUESTION
     done = t0 // BLOCK  # blocks wholly before the recomputed question
     kept = [b for b in turn_resident_blocks(on.log_text()[before:]) if b < done]
@@ -161,7 +159,7 @@ def t_interval(x: list[float]) -> tuple[float, float]:
     a = np.asarray(x, dtype=float)
     if len(a) < 2:
         return float(a.mean()), float("nan")
-    df, z = len(a) - 1, 1.959964
+    df, z = len(a) - 1, Z95
     # small df from the table; beyond, the Cornish-Fisher expansion is within 0.003
     t95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
     t = t95[df - 1] if df <= len(t95) else z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
@@ -214,14 +212,14 @@ def main() -> None:
     rows: list[dict] = []
     with start_llama_server(engine.server, model, common, args.out / "off.log") as off, \
             start_llama_server(engine.server, model, [*common, "--kvmem-budget", str(args.budget), "--kvmem-trace",
-                                                      "-lv", "4"], args.out / "on.log") as on:
-        count = EvalClient(off.url).count_tokens
+                                                      "-lv", "4"], args.out / "on.log") as on, \
+            EvalClient(off.url) as off_client, EvalClient(on.url) as on_client:
         for index in range(args.first_sample, args.first_sample + args.samples):
             hint = None
             for depth in (int(d) for d in args.depths.split(",")):
-                s = fit_sample(TASK, args.length, depth, index, 0, count, hint=hint)
+                s = fit_sample(TASK, args.length, depth, index, 0, off_client.count_tokens, hint=hint)
                 hint = s.units
-                row = probe_sample(lm, off, on, s, args.budget)
+                row = probe_sample(lm, off, on, off_client, on_client, s, args.budget)
                 rows.append(row)
                 with open(args.out / "rows.jsonl", "a") as f:
                     f.write(json.dumps(row) + "\n")
