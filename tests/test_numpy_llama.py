@@ -1,5 +1,6 @@
-"""benchmarks/numpy_llama.py, the numpy copy of SmolLM2 behind benchmarks/fidelity_probe.py, is the model the engine
-runs: the same next tokens as llama-server, and its partial recomputation agrees with its own full pass."""
+"""benchmarks/numpy_llama.py, the numpy copy of SmolLM2 and Qwen2.5-Coder behind benchmarks/fidelity_probe.py and
+benchmarks/ranking_probe.py, is the model the engine runs: the same next tokens as llama-server (llama's and qwen2's
+RoPE, qwen2's biases and its own output matrix), and its partial recomputation agrees with its own full pass."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from numpy_llama import Llama  # noqa: E402
 
+from kvmem_llama.shipped import shipped_model_path  # noqa: E402
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -25,8 +28,11 @@ def numpy_model(smollm2: Path) -> Llama:
     return Llama(str(smollm2))
 
 
-def test_the_numpy_model_predicts_the_engines_next_tokens(numpy_model, llama_server, smollm2):
-    with llama_server(smollm2, ["-c", "512", "-np", "1"]) as srv:
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_numpy_model_predicts_the_engines_next_tokens(arch, numpy_model, llama_server, smollm2):
+    model = smollm2 if arch == "llama" else shipped_model_path("qwen2.5-coder:0.5b")
+    numpy_model = numpy_model if arch == "llama" else Llama(str(model))
+    with llama_server(model, ["-c", "512", "-np", "1"]) as srv:
         for prompt in PROMPTS:
             tokens = httpx.post(f"{srv.url}/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"]
             body = {"prompt": tokens, "n_predict": 4, "temperature": 0, "n_probs": 1, "cache_prompt": False}
