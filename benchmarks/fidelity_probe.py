@@ -33,7 +33,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -191,19 +191,42 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def sample_arguments(ap: argparse.ArgumentParser, samples: int, out: str) -> None:
+    """The options every probe of `niah_decoy8` samples takes (benchmarks/ranking_probe.py too)."""
     ap.add_argument("--length", type=int, default=4000, help="prompt tokens (default 4000)")
     ap.add_argument("--budget", type=int, default=1024, help="--kvmem-budget of the tiered engine (default 1024)")
-    ap.add_argument("--samples", type=int, default=3, help="haystacks (default 3); each at every depth")
+    ap.add_argument("--samples", type=int, default=samples, help=f"haystacks (default {samples}); each at every depth")
     ap.add_argument("--first-sample", type=int, default=0, help="index of the first haystack (default 0): more "
                     "samples for an earlier run's rows.jsonl")
     ap.add_argument("--depths", default="15,35,55,75,95", help="needle depths in percent (default 15,35,55,75,95)")
-    ap.add_argument("--out", type=Path, default=Path("fidelity-probe"), help="folder for rows.jsonl and the logs")
+    ap.add_argument("--out", type=Path, default=Path(out), help="folder for rows.jsonl and the logs")
     ap.add_argument("--report", type=Path, help="print the table of an earlier rows.jsonl and exit")
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def each_sample(args: argparse.Namespace, client: EvalClient, probe: Callable) -> Iterator[dict]:
+    """probe(sample) for every haystack at every depth (the depths of one haystack share it), each row appended to
+    OUT/rows.jsonl as it comes."""
+    for index in range(args.first_sample, args.first_sample + args.samples):
+        hint = None
+        for depth in (int(d) for d in args.depths.split(",")):
+            s = fit_sample(TASK, args.length, depth, index, 0, client.count_tokens, hint=hint)
+            hint = s.units
+            row = probe(s)
+            with open(args.out / "rows.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            yield row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sample_arguments(ap, 3, "fidelity-probe")
     args = ap.parse_args()
     if args.report:
-        print(report([json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]))
+        print(report(read_rows(args.report)))
         return
     engine, model = require_engine("cpu"), default_model_path()
     lm = Llama(str(model))
@@ -214,18 +237,12 @@ def main() -> None:
             start_llama_server(engine.server, model, [*common, "--kvmem-budget", str(args.budget), "--kvmem-trace",
                                                       "-lv", "4"], args.out / "on.log") as on, \
             EvalClient(off.url) as off_client, EvalClient(on.url) as on_client:
-        for index in range(args.first_sample, args.first_sample + args.samples):
-            hint = None
-            for depth in (int(d) for d in args.depths.split(",")):
-                s = fit_sample(TASK, args.length, depth, index, 0, off_client.count_tokens, hint=hint)
-                hint = s.units
-                row = probe_sample(lm, off, on, off_client, on_client, s, args.budget)
-                rows.append(row)
-                with open(args.out / "rows.jsonl", "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                c = row["conds"]
-                print(f"sample {index} depth {depth}: needle resident {row['needle_resident']}, value logprob "
-                      + ", ".join(f"{n} {v['value_logprob']:.2f}" for n, v in c.items()), flush=True)
+        for row in each_sample(args, off_client,
+                               lambda s: probe_sample(lm, off, on, off_client, on_client, s, args.budget)):
+            rows.append(row)
+            print(f"sample {row['index']} depth {row['depth']}: needle resident {row['needle_resident']}, value "
+                  "logprob " + ", ".join(f"{n} {v['value_logprob']:.2f}" for n, v in row["conds"].items()),
+                  flush=True)
     print(report(rows))
 
 
