@@ -105,11 +105,19 @@ def score(lm: Llama, tokens: np.ndarray, n_prompt: int, v0: int, v1: int, Ks, Vs
             "value_greedy": bool((lp[rows].argmax(-1) == tokens[v0:v1]).all()), "kl": kl}, answer
 
 
+def question_key(prompt: str) -> str:
+    return re.search(r"What is the special magic number for (.+?) mentioned in the provided text\?", prompt).group(1)
+
+
+def answer_lead(key: str) -> str:
+    """The answer's words before the value, as the engine's answers put them."""
+    return f"The special magic number for {key} mentioned in the provided text is"
+
+
 def probe_sample(lm: Llama, off, on, off_client: EvalClient, on_client: EvalClient, s, budget: int) -> dict:
     value = s.expected[0]
-    key = re.search(r"What is the special magic number for (.+?) mentioned in the provided text\?", s.prompt).group(1)
     prompt_text = off_client.apply_template([{"role": "user", "content": s.prompt}])
-    answer = f"The special magic number for {key} mentioned in the provided text is {value}."
+    answer = f"{answer_lead(question_key(s.prompt))} {value}."
     prompt = tokenize(off.url, prompt_text)
     tokens = np.array(tokenize(off.url, prompt_text + answer))
     if list(tokens[:len(prompt)]) != prompt:

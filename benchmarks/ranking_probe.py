@@ -42,7 +42,18 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fidelity_probe import BLOCK, QUESTION, RESERVE, UBATCH, each_sample, read_rows, sample_arguments, tokenize  # noqa: E402
+from fidelity_probe import (  # noqa: E402
+    BLOCK,
+    QUESTION,
+    RESERVE,
+    UBATCH,
+    answer_lead,
+    each_sample,
+    question_key,
+    read_rows,
+    sample_arguments,
+    tokenize,
+)
 from numpy_llama import Llama  # noqa: E402
 
 from kvmem_llama import kvmem_log  # noqa: E402
@@ -87,6 +98,11 @@ def shares(lm: Llama, keys: list[np.ndarray], queries: list[np.ndarray], n_block
     return out
 
 
+def squared(sh: np.ndarray) -> np.ndarray:
+    """Per block, the squares of its shares summed over (layer, head, row), as `mass` sums them."""
+    return (sh ** 2).sum((0, 1, 2))
+
+
 def places(scores: np.ndarray, candidates: list[int], needle: int, decoys: set[int]) -> dict:
     order = sorted(candidates, key=lambda b: -scores[b])
     return place_in(order, needle, decoys)
@@ -111,11 +127,10 @@ def key_blocks(url: str, prompt_text: str, key: str, value: str) -> tuple[int, s
 
 def probe_sample(lm: Llama, on, on_client: EvalClient, s, budget: int, windowed: bool) -> dict:
     value = s.expected[0]
-    key = re.search(r"What is the special magic number for (.+?) mentioned in the provided text\?", s.prompt).group(1)
+    key = question_key(s.prompt)
     prompt_text = on_client.apply_template([{"role": "user", "content": s.prompt}])
     tokens = np.array(tokenize(on.url, prompt_text))
-    lead = f"The special magic number for {key} mentioned in the provided text is"
-    with_lead = np.array(tokenize(on.url, prompt_text + lead))
+    with_lead = np.array(tokenize(on.url, prompt_text + answer_lead(key)))
     needle, decoys = key_blocks(on.url, prompt_text, key, value)
 
     before = len(on.log_text())
@@ -155,21 +170,21 @@ def probe_sample(lm: Llama, on, on_client: EvalClient, s, budget: int, windowed:
         methods[f"mass-c{chunk}"] = places(mass(lm, raw_keys, raw_queries, n_blocks, chunk), candidates, needle,
                                            decoys)
     sh = shares(lm, keys, queries, n_blocks)
-    methods["exact"] = places((sh ** 2).sum((0, 1, 2)), candidates, needle, decoys)
+    methods["exact"] = places(squared(sh), candidates, needle, decoys)
     methods["exact-sum"] = places(sh.sum((0, 1, 2)), candidates, needle, decoys)
     for n in LAST_ROWS:
-        methods[f"exact-last{n}"] = places((sh[:, :, -n:] ** 2).sum((0, 1, 2)), candidates, needle, decoys)
+        methods[f"exact-last{n}"] = places(squared(sh[:, :, -n:]), candidates, needle, decoys)
     # what the last rows' gain comes from: the engine's chunk means with those rows, and exact without positions
     n = LAST_ROWS[0]
     methods[f"mass-c16-last{n}"] = places(mass(lm, raw_keys, [q[-n:] for q in raw_queries], n_blocks, 16),
                                           candidates, needle, decoys)
-    raw_shares = shares(lm, raw_keys, [q[-n:] for q in raw_queries], n_blocks)
-    methods[f"exact-pre-last{n}"] = places((raw_shares ** 2).sum((0, 1, 2)), candidates, needle, decoys)
+    methods[f"exact-pre-last{n}"] = places(squared(shares(lm, raw_keys, [q[-n:] for q in raw_queries], n_blocks)),
+                                           candidates, needle, decoys)
     if windowed:
-            methods["full"] = places((shares(lm, full_keys, [q[t0:len(tokens)] for q in full_queries], n_blocks) ** 2)
-                                 .sum((0, 1, 2)), candidates, needle, decoys)
+        full_rows = [q[t0:len(tokens)] for q in full_queries]
+        methods["full"] = places(squared(shares(lm, full_keys, full_rows, n_blocks)), candidates, needle, decoys)
     answer = shares(lm, full_keys, [q[len(tokens):] for q in full_queries], n_blocks)
-    methods["answer"] = places((answer ** 2).sum((0, 1, 2)), candidates, needle, decoys)
+    methods["answer"] = places(squared(answer), candidates, needle, decoys)
     # the (layer, head) pairs whose most attended block, on the row that writes the value, is the needle's / a decoy's
     top = answer[:, :, -1].argmax(-1)
     heads = {"needle": int((top == needle).sum()), "decoy": int(np.isin(top, list(decoys)).sum()),
